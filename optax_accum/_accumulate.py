@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`accumulate`: the per-call gradient-accumulation transformation.
+
+This module owns the engine shared by `accumulate` and the `MultiSteps` drop-in:
+the accumulator arithmetic (weighted running mean or weighted sum), the window
+counters, the skip logic and the single `lax.cond` that runs the inner optimizer
+on boundary micro-steps only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from ._validation import (
+    canonical_accumulator_dtype,
+    check_every_k,
+    check_reduction,
+    check_weight,
+    normalize_skip_result,
+)
+
+EveryK = int | Callable[[jax.Array], jax.typing.ArrayLike]
+
+
+class SkipFn(Protocol):
+    """Decides whether a micro-batch's gradients are rejected.
+
+    Called as ``skip_fn(grads, update_step, params)``. Returns a boolean scalar
+    (``True`` rejects the micro-batch), or an optax-style tuple
+    ``(should_skip, skip_state)`` whose second element is stored in the state.
+    """
+
+    def __call__(
+        self, grads: optax.Updates, update_step: jax.Array, params: optax.Params | None
+    ) -> jax.Array | tuple[jax.Array, Any]: ...
+
+
+class AccumulateState(NamedTuple):
+    """State of `accumulate`.
+
+    Attributes:
+      micro_step: int32, accepted micro-batches in the current window.
+      update_step: int32, number of updates emitted so far (optimizer steps).
+      accumulator: the weighted running mean (``reduction="mean"``) or the
+        weighted sum (``reduction="sum"``) of the window's gradients, in
+        ``accumulator_dtype``. Zeros after a boundary.
+      weight_sum: float32, the sum of the accepted weights in the window.
+      inner_state: the inner optimizer's state. Only boundary steps change it.
+      num_skipped: int32, micro-batches rejected by ``skip_fn`` so far.
+      updated: bool, whether the last call emitted an update.
+      skip_state: what ``skip_fn`` returned as its second output, if anything.
+    """
+
+    micro_step: jax.Array
+    update_step: jax.Array
+    accumulator: optax.Updates
+    weight_sum: jax.Array
+    inner_state: optax.OptState
+    num_skipped: jax.Array
+    updated: jax.Array
+    skip_state: Any = ()
+
+
+class _Window(NamedTuple):
+    """What the engine reads and writes; both public states map onto it."""
+
+    micro_step: jax.Array
+    update_step: jax.Array
+    accumulator: optax.Updates
+    weight_sum: jax.Array
+    inner_state: optax.OptState
+
+
+class _Engine(NamedTuple):
+    init_window: Callable[[optax.Params], _Window]
+    step: Callable[..., tuple[optax.Updates, _Window, jax.Array, jax.Array, Any]]
+    init_skip_state: Callable[[optax.Params], Any]
+
+
+def _split_extra_args(extra_args: dict[str, Any]) -> tuple[dict, dict]:
+    """Splits extra args into array pytrees (cond operands) and the rest."""
+    dynamic, static = {}, {}
+    for key, value in extra_args.items():
+        leaves = jax.tree.leaves(value)
+        if leaves and all(isinstance(x, jax.Array) for x in leaves):
+            dynamic[key] = value
+        else:
+            static[key] = value
+    return dynamic, static
+
+
+def _make_engine(
+    inner: optax.GradientTransformation,
+    every_k: EveryK,
+    reduction: str,
+    accumulator_dtype: Any,
+    skip_fn: SkipFn | None,
+    axis_name: Any,
+) -> _Engine:
+    inner = optax.with_extra_args_support(inner)
+    check_every_k(every_k)
+    check_reduction(reduction)
+    acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
+    mean = reduction == "mean"
+
+    def acc_like(x: jax.Array) -> jax.Array:
+        dtype = x.dtype if acc_dtype is None else acc_dtype
+        return jnp.zeros(jnp.shape(x), dtype)
+
+    def init_window(params: optax.Params) -> _Window:
+        return _Window(
+            micro_step=jnp.zeros([], jnp.int32),
+            update_step=jnp.zeros([], jnp.int32),
+            accumulator=jax.tree.map(acc_like, params),
+            weight_sum=jnp.zeros([], jnp.float32),
+            inner_state=inner.init(params),
+        )
+
+    def init_skip_state(params: optax.Params) -> Any:
+        if skip_fn is None:
+            return ()
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        _, skip_state = normalize_skip_result(
+            skip_fn(zeros, jnp.zeros([], jnp.int32), params)
+        )
+        return skip_state
+
+    def current_k(update_step: jax.Array) -> jax.Array:
+        if callable(every_k):
+            k = every_k(update_step)
+            check_every_k(k, from_schedule=True)
+            return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+        return jnp.asarray(every_k, jnp.int32)
+
+    def step(grads, window: _Window, params, weight, close_window, extra_args):
+        acc_tree = jax.tree.structure(window.accumulator)
+        if jax.tree.structure(grads) != acc_tree:
+            raise ValueError(
+                "`grads` must have the tree structure of the parameters the "
+                f"state was initialised with: expected {acc_tree}, got "
+                f"{jax.tree.structure(grads)}."
+            )
+        for g, a in zip(
+            jax.tree.leaves(grads), jax.tree.leaves(window.accumulator), strict=True
+        ):
+            if jnp.shape(g) != jnp.shape(a):
+                raise ValueError(
+                    "`grads` leaf shapes must match the state's accumulator: got "
+                    f"{jnp.shape(g)}, expected {jnp.shape(a)}."
+                )
+        w = check_weight(weight)
+
+        if skip_fn is None:
+            accept = jnp.ones([], jnp.bool_)
+            skip_state = ()
+        else:
+            should_skip, skip_state = normalize_skip_result(
+                skip_fn(grads, window.update_step, params)
+            )
+            if axis_name is not None:
+                # Every device must agree, or their windows (and collectives)
+                # would diverge: one scalar all-reduce per micro-step.
+                should_skip = lax.psum(should_skip.astype(jnp.int32), axis_name) > 0
+            accept = jnp.logical_not(should_skip)
+
+        k = current_k(window.update_step)
+        first = window.micro_step == 0
+        w = jnp.where(accept, w, 0.0)
+        w_old = jnp.where(first, 0.0, window.weight_sum)
+        w_new = w_old + w
+        if mean:
+            fresh = w_old == 0
+            coef = jnp.where(w_new > 0, w / jnp.where(w_new > 0, w_new, 1.0), 0.0)
+        else:
+            fresh = first
+
+        # One fused elementwise pass per leaf. The first micro-batch of a
+        # window overwrites the accumulator, so it never needs a reset pass.
+        def add(g, a):
+            g = g.astype(a.dtype)
+            if mean:
+                new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
+            else:
+                wg = w.astype(a.dtype) * g
+                new = jnp.where(fresh, wg, a + wg)
+            return jnp.where(accept, new, a)
+
+        acc = jax.tree.map(add, grads, window.accumulator)
+        micro = window.micro_step + accept.astype(jnp.int32)
+        emit = jnp.logical_and(
+            micro > 0, jnp.logical_or(micro >= k, jnp.asarray(close_window))
+        )
+
+        dynamic, static = _split_extra_args(extra_args)
+
+        def inner_update(g, inner_state, params, dynamic):
+            return inner.update(g, inner_state, params, **static, **dynamic)
+
+        def reduced(acc, w_sum):
+            if axis_name is None:
+                out = acc
+                if mean:
+                    out = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), out)
+                return out
+            if mean:
+                total = lax.psum(w_sum, axis_name)
+                scale = jnp.where(total > 0, w_sum / jnp.where(total > 0, total, 1), 0)
+                return jax.tree.map(
+                    lambda a: lax.psum(
+                        jnp.where(w_sum > 0, scale.astype(a.dtype) * a, 0), axis_name
+                    ),
+                    acc,
+                )
+            return jax.tree.map(lambda a: lax.psum(a, axis_name), acc)
+
+        def cast_like(tree, like):
+            return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+        def on_boundary(acc, w_sum, inner_state, params, dynamic):
+            g = cast_like(reduced(acc, w_sum), grads)
+            updates, new_inner = inner_update(g, inner_state, params, dynamic)
+            new_inner = cast_like(new_inner, inner_state)
+            return updates, new_inner
+
+        updates_shape = jax.eval_shape(
+            lambda *a: inner_update(*a)[0],
+            cast_like(acc, grads),
+            window.inner_state,
+            params,
+            dynamic,
+        )
+
+        def on_hold(acc, w_sum, inner_state, params, dynamic):
+            del acc, w_sum, params, dynamic
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
+            return zeros, inner_state
+
+        updates, inner_state = lax.cond(
+            emit, on_boundary, on_hold, acc, w_new, window.inner_state, params, dynamic
+        )
+        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
+        new_window = _Window(
+            micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
+            update_step=(window.update_step + emit.astype(jnp.int32)).astype(jnp.int32),
+            accumulator=acc,
+            weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32),
+            inner_state=inner_state,
+        )
+        return updates, new_window, emit, jnp.logical_not(accept), skip_state
+
+    return _Engine(init_window, step, init_skip_state)
+
+
+def accumulate(
+    inner: optax.GradientTransformation,
+    every_k: EveryK,
+    *,
+    reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    skip_fn: SkipFn | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Accumulates gradients over ``every_k`` micro-steps, then runs ``inner``.
+
+    Each call adds one micro-batch's gradients to an accumulator. On the last
+    micro-step of a window (the boundary) the reduced gradient is passed through
+    ``inner`` inside a single ``jax.lax.cond`` and its updates are emitted. On
+    every other step the updates are exact zeros and ``inner``'s state is
+    untouched, so Adam's count, schedules, weight decay and clipping all see
+    optimizer steps, never micro-steps.
+
+    .. math::
+
+        g = \frac{\sum_i w_i g_i}{\sum_i w_i} \quad (\text{mean}), \qquad
+        g = \sum_i w_i g_i \quad (\text{sum}).
+
+    With the number of valid tokens of micro-batch ``i`` as its ``weight`` and a
+    token-mean loss per micro-batch, the mean is exactly the full-batch
+    token-mean gradient.
+
+    ``update`` takes extra keyword arguments: ``weight`` (a scalar, default 1),
+    ``close_window`` (a boolean scalar: when true, this micro-batch closes the
+    window early and the update averages over what was accumulated, e.g. the
+    last, partial window of an epoch), and anything else, which is forwarded to
+    ``inner`` (``value``, ``grad``, ``value_fn`` for line searches).
+
+    Under ``jax.vmap``, ``lax.cond`` with a batched predicate runs both
+    branches, so the inner optimizer then runs on every micro-step.
+
+    Args:
+      inner: the optimizer to run on the accumulated gradient.
+      every_k: micro-steps per update, an int >= 1, or a callable of
+        ``update_step`` returning it (traced, so a schedule of k does not
+        recompile). A traced value below 1 is treated as 1.
+      reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
+      accumulator_dtype: floating dtype of the accumulator, or ``None`` to use
+        each gradient's dtype. The default float32 accumulates bf16 and fp16
+        gradients exactly enough; emitted updates have ``inner``'s dtypes.
+      skip_fn: optional `SkipFn`. A rejected micro-batch leaves the state as if
+        it never arrived and is counted in ``num_skipped``.
+      axis_name: inside ``pmap`` or ``shard_map``, the mapped axis. Do not
+        ``pmean`` the gradients yourself: each device accumulates its own and
+        the weighted cross-device reduction runs once, in the boundary branch.
+        With ``skip_fn`` the devices also agree on skipping (a scalar psum).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is
+      `AccumulateState`.
+
+    Raises:
+      ValueError: for ``every_k`` < 1, an unknown ``reduction``, gradients that
+        do not match the state, or a non-scalar ``weight``.
+      TypeError: for a non-integer ``every_k``, a non-float
+        ``accumulator_dtype`` or a ``skip_fn`` that returns no boolean scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> u, state = tx.update({"w": jnp.array([1.0, 2.0])}, state, params)
+      >>> u["w"]
+      Array([0., 0.], dtype=float32)
+      >>> u, state = tx.update({"w": jnp.array([3.0, 4.0])}, state, params)
+      >>> u["w"]
+      Array([-2., -3.], dtype=float32)
+      >>> bool(optax_accum.has_updated(state))
+      True
+    """
+    engine = _make_engine(inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name)
+
+    def init_fn(params: optax.Params) -> AccumulateState:
+        window = engine.init_window(params)
+        return AccumulateState(
+            micro_step=window.micro_step,
+            update_step=window.update_step,
+            accumulator=window.accumulator,
+            weight_sum=window.weight_sum,
+            inner_state=window.inner_state,
+            num_skipped=jnp.zeros([], jnp.int32),
+            updated=jnp.zeros([], jnp.bool_),
+            skip_state=engine.init_skip_state(params),
+        )
+
+    def update_fn(
+        grads: optax.Updates,
+        state: AccumulateState,
+        params: optax.Params | None = None,
+        *,
+        weight: jax.typing.ArrayLike | None = None,
+        close_window: jax.typing.ArrayLike = False,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, AccumulateState]:
+        window = _Window(
+            state.micro_step,
+            state.update_step,
+            state.accumulator,
+            state.weight_sum,
+            state.inner_state,
+        )
+        updates, window, emitted, skipped, skip_state = engine.step(
+            grads, window, params, weight, close_window, extra_args
+        )
+        return updates, AccumulateState(
+            micro_step=window.micro_step,
+            update_step=window.update_step,
+            accumulator=window.accumulator,
+            weight_sum=window.weight_sum,
+            inner_state=window.inner_state,
+            num_skipped=state.num_skipped + skipped.astype(jnp.int32),
+            updated=emitted,
+            skip_state=skip_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def has_updated(state: AccumulateState) -> jax.Array:
+    """Whether the call that produced ``state`` emitted an update.
+
+    Args:
+      state: an `AccumulateState` (also works on states nested in it by
+        `optax.chain`: pass the accumulate part).
+
+    Returns:
+      A boolean scalar.
+    """
+    return jnp.asarray(state.updated)

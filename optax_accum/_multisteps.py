@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`MultiSteps`: a drop-in for ``optax.MultiSteps`` built on our engine.
+
+Constructor, methods and state fields match optax's, and so do the state's
+semantics (``acc_grads`` is the running mean with ``use_grad_mean``, the sum
+otherwise, and zeros after an update), so optax checkpoints restore into it.
+The inner optimizer runs only on boundary steps, inside ``lax.cond``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._accumulate import _make_engine, _Window
+
+
+class MultiStepsState(NamedTuple):
+    """State of `MultiSteps`, field for field as ``optax.MultiStepsState``.
+
+    Attributes:
+      mini_step: accepted mini-steps in the current window.
+      gradient_step: number of updates emitted so far.
+      inner_opt_state: the wrapped optimizer's state.
+      acc_grads: the running mean (or sum) of the window's gradients.
+      skip_state: what ``should_skip_update_fn`` returned as its second output.
+    """
+
+    mini_step: jax.typing.ArrayLike
+    gradient_step: jax.typing.ArrayLike
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any = ()
+
+
+class MultiSteps:
+    """Accumulates gradients over ``every_k_schedule`` mini-steps; optax-compatible.
+
+    Replace ``optax.MultiSteps`` by ``optax_accum.MultiSteps`` and nothing else
+    changes, except that the inner optimizer no longer runs on hold steps.
+
+    Args:
+      opt: the wrapped optimizer.
+      every_k_schedule: an int >= 1, or a function of the gradient step that
+        returns the number of mini-steps per update.
+      use_grad_mean: average the accumulated gradients (default) or sum them.
+      should_skip_update_fn: optional, e.g. ``optax.skip_not_finite`` or
+        ``optax_accum.skip_not_finite``: ``fn(updates, gradient_step, params)``
+        returning ``(should_skip, skip_state)`` (or just ``should_skip``).
+      accumulator_dtype: dtype of the accumulator, float32 by default.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> ms = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {"w": jnp.zeros([])}
+      >>> state = ms.init(params)
+      >>> _, state = ms.update({"w": jnp.array(1.0)}, state, params)
+      >>> u, state = ms.update({"w": jnp.array(3.0)}, state, params)
+      >>> float(u["w"]), bool(ms.has_updated(state))
+      (-2.0, True)
+    """
+
+    def __init__(
+        self,
+        opt: optax.GradientTransformation,
+        every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+        use_grad_mean: bool = True,
+        should_skip_update_fn: Callable[..., Any] | None = None,
+        accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
+    ):
+        self._opt = optax.with_extra_args_support(opt)
+        self._engine = _make_engine(
+            self._opt,
+            every_k_schedule,
+            "mean" if use_grad_mean else "sum",
+            accumulator_dtype,
+            should_skip_update_fn,
+            None,
+        )
+
+    @property
+    def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+        return self._opt
+
+    def init(self, params: optax.Params) -> MultiStepsState:
+        window = self._engine.init_window(params)
+        return MultiStepsState(
+            mini_step=window.micro_step,
+            gradient_step=window.update_step,
+            inner_opt_state=window.inner_state,
+            acc_grads=window.accumulator,
+            skip_state=self._engine.init_skip_state(params),
+        )
+
+    def update(
+        self,
+        updates: optax.Updates,
+        state: MultiStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        # Unit weights: the window's weight sum is its accepted mini-step count.
+        mini_step = jnp.asarray(state.mini_step, jnp.int32)
+        window = _Window(
+            micro_step=mini_step,
+            update_step=jnp.asarray(state.gradient_step, jnp.int32),
+            accumulator=state.acc_grads,
+            weight_sum=mini_step.astype(jnp.float32),
+            inner_state=state.inner_opt_state,
+        )
+        new_updates, window, _, _, skip_state = self._engine.step(
+            updates, window, params, None, False, extra_args
+        )
+        return new_updates, MultiStepsState(
+            mini_step=window.micro_step,
+            gradient_step=window.update_step,
+            inner_opt_state=window.inner_state,
+            acc_grads=window.accumulator,
+            skip_state=skip_state,
+        )
+
+    def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
+        """True when ``state`` comes right after an update (optax's definition)."""
+        return jnp.logical_and(
+            state.mini_step == 0, state.gradient_step > 0
+        )
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
