@@ -8,6 +8,7 @@ from ._accumulate import AccumulateState as AccumulateState
 from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
 from ._accumulate import has_updated as has_updated
+from ._accumulate import state_specs as state_specs
 from ._multisteps import MultiSteps as MultiSteps
 from ._multisteps import MultiStepsState as MultiStepsState
 from ._skip import skip_large_updates as skip_large_updates
@@ -27,4 +28,5 @@ __all__ = [
     "has_updated",
     "skip_large_updates",
     "skip_not_finite",
+    "state_specs",
 ]

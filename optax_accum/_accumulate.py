@@ -109,17 +109,23 @@ def _make_engine(
     check_reduction(reduction)
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     mean = reduction == "mean"
+    # With an axis name, device-local leaves carry a leading axis of length 1,
+    # so that under shard_map they stack into a global (num_devices, ...) array.
+    slot = () if axis_name is None else (1,)
 
     def acc_like(x: jax.Array) -> jax.Array:
         dtype = x.dtype if acc_dtype is None else acc_dtype
-        return jnp.zeros(jnp.shape(x), dtype)
+        return jnp.zeros(slot + jnp.shape(x), dtype)
+
+    def local(x: Any) -> Any:
+        return jax.tree.map(lambda a: jnp.reshape(a, slot + jnp.shape(a)), x)
 
     def init_window(params: optax.Params) -> _Window:
         return _Window(
             micro_step=jnp.zeros([], jnp.int32),
             update_step=jnp.zeros([], jnp.int32),
             accumulator=jax.tree.map(acc_like, params),
-            weight_sum=jnp.zeros([], jnp.float32),
+            weight_sum=jnp.zeros(slot, jnp.float32),
             inner_state=inner.init(params),
         )
 
@@ -130,7 +136,7 @@ def _make_engine(
         _, skip_state = normalize_skip_result(
             skip_fn(zeros, jnp.zeros([], jnp.int32), params)
         )
-        return skip_state
+        return local(skip_state)
 
     def current_k(update_step: jax.Array) -> jax.Array:
         if callable(every_k):
@@ -150,10 +156,10 @@ def _make_engine(
         for g, a in zip(
             jax.tree.leaves(grads), jax.tree.leaves(window.accumulator), strict=True
         ):
-            if jnp.shape(g) != jnp.shape(a):
+            if slot + jnp.shape(g) != jnp.shape(a):
                 raise ValueError(
                     "`grads` leaf shapes must match the state's accumulator: got "
-                    f"{jnp.shape(g)}, expected {jnp.shape(a)}."
+                    f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]}."
                 )
         w = check_weight(weight)
 
@@ -173,7 +179,7 @@ def _make_engine(
         k = current_k(window.update_step)
         first = window.micro_step == 0
         w = jnp.where(accept, w, 0.0)
-        w_old = jnp.where(first, 0.0, window.weight_sum)
+        w_old = jnp.where(first, 0.0, window.weight_sum.reshape([]))
         w_new = w_old + w
         if mean:
             fresh = w_old == 0
@@ -184,7 +190,7 @@ def _make_engine(
         # One fused elementwise pass per leaf. The first micro-batch of a
         # window overwrites the accumulator, so it never needs a reset pass.
         def add(g, a):
-            g = g.astype(a.dtype)
+            g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
             if mean:
                 new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
             else:
@@ -204,19 +210,21 @@ def _make_engine(
             return inner.update(g, inner_state, params, **static, **dynamic)
 
         def reduced(acc, w_sum):
+            acc = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), acc)
             if axis_name is None:
                 out = acc
                 if mean:
                     out = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), out)
                 return out
             if mean:
-                total = lax.psum(w_sum, axis_name)
-                scale = jnp.where(total > 0, w_sum / jnp.where(total > 0, total, 1), 0)
+                # One all-reduce for the weighted sum and the weight together.
+                local_sum = jax.tree.map(
+                    lambda a: jnp.where(w_sum > 0, w_sum.astype(a.dtype) * a, 0), acc
+                )
+                total_sum, total = lax.psum((local_sum, w_sum), axis_name)
                 return jax.tree.map(
-                    lambda a: lax.psum(
-                        jnp.where(w_sum > 0, scale.astype(a.dtype) * a, 0), axis_name
-                    ),
-                    acc,
+                    lambda a: jnp.where(total > 0, a / jnp.where(total > 0, total, 1), 0),
+                    total_sum,
                 )
             return jax.tree.map(lambda a: lax.psum(a, axis_name), acc)
 
@@ -231,7 +239,7 @@ def _make_engine(
 
         updates_shape = jax.eval_shape(
             lambda *a: inner_update(*a)[0],
-            cast_like(acc, grads),
+            grads,
             window.inner_state,
             params,
             dynamic,
@@ -250,10 +258,10 @@ def _make_engine(
             micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
             update_step=(window.update_step + emit.astype(jnp.int32)).astype(jnp.int32),
             accumulator=acc,
-            weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32),
+            weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32).reshape(slot),
             inner_state=inner_state,
         )
-        return updates, new_window, emit, jnp.logical_not(accept), skip_state
+        return updates, new_window, emit, jnp.logical_not(accept), local(skip_state)
 
     return _Engine(init_window, step, init_skip_state)
 
@@ -380,6 +388,53 @@ def accumulate(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+    """Partition specs for keeping `accumulate` state across ``shard_map`` calls.
+
+    With ``axis_name``, each device accumulates its own gradients, so the
+    accumulator, the weight sum and the skip state are device-local: they have a
+    leading axis of length 1 inside ``shard_map`` and stack into a global
+    ``(num_devices, ...)`` array outside it. Everything else (counters, the
+    inner optimizer's state) is replicated.
+
+    Args:
+      state: a state (or ``jax.eval_shape`` of one) that contains
+        `AccumulateState` nodes anywhere, e.g. inside ``optax.chain``.
+      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+
+    Returns:
+      A pytree of ``PartitionSpec`` with the structure of ``state``, for
+      ``in_specs`` and ``out_specs``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
+      >>> specs = optax_accum.state_specs(tx.init({"w": jnp.zeros(3)}), "data")
+      >>> specs.accumulator["w"], specs.micro_step
+      (PartitionSpec('data',), PartitionSpec())
+    """
+    from jax.sharding import PartitionSpec
+
+    sharded, replicated = PartitionSpec(axis_name), PartitionSpec()
+
+    def node(x: Any) -> Any:
+        if not isinstance(x, AccumulateState):
+            return replicated
+        fill = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
+        return x._replace(
+            micro_step=replicated,
+            update_step=replicated,
+            accumulator=fill(x.accumulator, sharded),
+            weight_sum=sharded,
+            inner_state=state_specs(x.inner_state, axis_name),
+            num_skipped=replicated,
+            updated=replicated,
+            skip_state=fill(x.skip_state, sharded),
+        )
+
+    return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))
 
 
 def has_updated(state: AccumulateState) -> jax.Array:
