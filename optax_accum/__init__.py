@@ -9,8 +9,15 @@ from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
 from ._accumulate import has_updated as has_updated
 from ._accumulate import state_specs as state_specs
+from ._lr import batch_size_warmup as batch_size_warmup
+from ._lr import scale_learning_rate as scale_learning_rate
+from ._microbatch import WeightFn as WeightFn
+from ._microbatch import microbatch as microbatch
 from ._multisteps import MultiSteps as MultiSteps
 from ._multisteps import MultiStepsState as MultiStepsState
+from ._planner import MicroBatchPlan as MicroBatchPlan
+from ._planner import compiled_memory_bytes as compiled_memory_bytes
+from ._planner import plan_micro_batch as plan_micro_batch
 from ._skip import skip_large_updates as skip_large_updates
 from ._skip import skip_not_finite as skip_not_finite
 
@@ -21,11 +28,18 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "AccumulateState",
+    "MicroBatchPlan",
     "MultiSteps",
     "MultiStepsState",
     "SkipFn",
+    "WeightFn",
     "accumulate",
+    "batch_size_warmup",
+    "compiled_memory_bytes",
     "has_updated",
+    "microbatch",
+    "plan_micro_batch",
+    "scale_learning_rate",
     "skip_large_updates",
     "skip_not_finite",
     "state_specs",

@@ -96,6 +96,22 @@ def _split_extra_args(extra_args: dict[str, Any]) -> tuple[dict, dict]:
     return dynamic, static
 
 
+def _zeros(shapes: Any, counter: jax.Array) -> Any:
+    """Exact zeros for each leaf, each written by its own broadcast.
+
+    XLA merges identical broadcasts and then copies the one buffer into each
+    output. ``counter`` is a traced int32 that is never negative, so
+    ``counter == -(i + 1)`` is always false, but XLA cannot prove it: each
+    leaf gets a distinct scalar source and its own write-only broadcast.
+    """
+    leaves, treedef = jax.tree.flatten(shapes)
+    zeros = [
+        jnp.broadcast_to(jnp.where(counter == -(i + 1), 1, 0).astype(s.dtype), s.shape)
+        for i, s in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, zeros)
+
+
 def _make_engine(
     inner: optax.GradientTransformation,
     every_k: EveryK,
@@ -188,17 +204,22 @@ def _make_engine(
             fresh = first
 
         # One fused elementwise pass per leaf. The first micro-batch of a
-        # window overwrites the accumulator, so it never needs a reset pass.
-        def add(g, a):
-            g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
-            if mean:
-                new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
-            else:
-                wg = w.astype(a.dtype) * g
-                new = jnp.where(fresh, wg, a + wg)
-            return jnp.where(accept, new, a)
+        # window overwrites the accumulator, so a reset is never read.
+        def add(grads, acc, scalars):
+            accept, fresh, coef, w = scalars
 
-        acc = jax.tree.map(add, grads, window.accumulator)
+            def leaf(g, a):
+                g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
+                if mean:
+                    new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
+                else:
+                    wg = w.astype(a.dtype) * g
+                    new = jnp.where(fresh, wg, a + wg)
+                return jnp.where(accept, new, a)
+
+            return jax.tree.map(leaf, grads, acc)
+
+        scalars = (accept, fresh, coef if mean else w, w)
         micro = window.micro_step + accept.astype(jnp.int32)
         emit = jnp.logical_and(
             micro > 0, jnp.logical_or(micro >= k, jnp.asarray(close_window))
@@ -223,7 +244,9 @@ def _make_engine(
                 )
                 total_sum, total = lax.psum((local_sum, w_sum), axis_name)
                 return jax.tree.map(
-                    lambda a: jnp.where(total > 0, a / jnp.where(total > 0, total, 1), 0),
+                    lambda a: jnp.where(
+                        total > 0, a / jnp.where(total > 0, total, 1), 0
+                    ),
                     total_sum,
                 )
             return jax.tree.map(lambda a: lax.psum(a, axis_name), acc)
@@ -231,29 +254,29 @@ def _make_engine(
         def cast_like(tree, like):
             return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
 
+        # The accumulator is updated in place outside the cond, and never
+        # reset: a window's first micro-batch overwrites it (``fresh`` above).
+        # The cond only reads it and writes the updates and the inner state.
+        # Routing the accumulator through the cond, or a separate reset pass,
+        # costs XLA a full copy of it per micro-step.
+        acc = add(grads, window.accumulator, scalars)
+
         def on_boundary(acc, w_sum, inner_state, params, dynamic):
             g = cast_like(reduced(acc, w_sum), grads)
             updates, new_inner = inner_update(g, inner_state, params, dynamic)
-            new_inner = cast_like(new_inner, inner_state)
-            return updates, new_inner
+            return updates, cast_like(new_inner, inner_state)
 
         updates_shape = jax.eval_shape(
-            lambda *a: inner_update(*a)[0],
-            grads,
-            window.inner_state,
-            params,
-            dynamic,
+            lambda *a: inner_update(*a)[0], grads, window.inner_state, params, dynamic
         )
 
         def on_hold(acc, w_sum, inner_state, params, dynamic):
             del acc, w_sum, params, dynamic
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_shape)
-            return zeros, inner_state
+            return _zeros(updates_shape, window.update_step), inner_state
 
         updates, inner_state = lax.cond(
             emit, on_boundary, on_hold, acc, w_new, window.inner_state, params, dynamic
         )
-        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
         new_window = _Window(
             micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
             update_step=(window.update_step + emit.astype(jnp.int32)).astype(jnp.int32),
@@ -342,7 +365,9 @@ def accumulate(
       >>> bool(optax_accum.has_updated(state))
       True
     """
-    engine = _make_engine(inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name)
+    engine = _make_engine(
+        inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name
+    )
 
     def init_fn(params: optax.Params) -> AccumulateState:
         window = engine.init_window(params)

@@ -126,9 +126,7 @@ class MultiSteps:
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """True when ``state`` comes right after an update (optax's definition)."""
-        return jnp.logical_and(
-            state.mini_step == 0, state.gradient_step > 0
-        )
+        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)

@@ -35,7 +35,9 @@ def skip_not_finite(
       (True, 1)
     """
     del step, params
-    counts = [jnp.sum(~jnp.isfinite(g)).astype(jnp.int32) for g in jax.tree.leaves(grads)]
+    counts = [
+        jnp.sum(~jnp.isfinite(g)).astype(jnp.int32) for g in jax.tree.leaves(grads)
+    ]
     num = sum(counts, jnp.zeros([], jnp.int32))
     should_skip = num > 0
     return should_skip, {"should_skip": should_skip, "num_not_finite": num}

@@ -20,16 +20,12 @@ REDUCTIONS = ("mean", "sum")
 
 def check_reduction(reduction: Any) -> None:
     if reduction not in REDUCTIONS:
-        raise ValueError(
-            f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}."
-        )
+        raise ValueError(f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}.")
 
 
 def check_positive_int(value: Any, name: str) -> int:
     """Returns ``value`` as an int, or raises if it is not an integer >= 1."""
-    if isinstance(value, bool) or not isinstance(
-        value, int | np.integer
-    ):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
         try:
             is_int_array = jnp.issubdtype(np.asarray(value).dtype, np.integer)
         except Exception:  # noqa: BLE001 - any non-numeric object
