@@ -50,7 +50,10 @@ class AccumulateState(NamedTuple):
       update_step: int32, number of updates emitted so far (optimizer steps).
       accumulator: the weighted running mean (``reduction="mean"``) or the
         weighted sum (``reduction="sum"``) of the window's gradients, in
-        ``accumulator_dtype``. Zeros after a boundary.
+        ``accumulator_dtype``. A boundary resets the window logically
+        (``micro_step`` and ``weight_sum`` return to 0) and the next accepted
+        micro-batch overwrites the buffer; it is not zeroed in between, which
+        would cost a full pass over it (see the README).
       weight_sum: float32, the sum of the accepted weights in the window.
       inner_state: the inner optimizer's state. Only boundary steps change it.
       num_skipped: int32, micro-batches rejected by ``skip_fn`` so far.
@@ -438,7 +441,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
       >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
       >>> specs = optax_accum.state_specs(tx.init({"w": jnp.zeros(3)}), "data")
       >>> specs.accumulator["w"], specs.micro_step
-      (PartitionSpec('data',), PartitionSpec())
+      (P('data',), P())
     """
     from jax.sharding import PartitionSpec
 

@@ -4,8 +4,10 @@
 
 Constructor, methods and state fields match optax's, and so do the state's
 semantics (``acc_grads`` is the running mean with ``use_grad_mean``, the sum
-otherwise, and zeros after an update), so optax checkpoints restore into it.
-The inner optimizer runs only on boundary steps, inside ``lax.cond``.
+otherwise), so optax checkpoints restore into it. Two differences, both for
+speed: the inner optimizer runs only on boundary steps, inside ``lax.cond``,
+and ``acc_grads`` is not zeroed after an update (``mini_step == 0`` marks it
+empty and the next mini-step overwrites it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class MultiStepsState(NamedTuple):
       mini_step: accepted mini-steps in the current window.
       gradient_step: number of updates emitted so far.
       inner_opt_state: the wrapped optimizer's state.
-      acc_grads: the running mean (or sum) of the window's gradients.
+      acc_grads: the running mean (or sum) of the window's gradients; stale
+        (not zeroed) when ``mini_step == 0``.
       skip_state: what ``should_skip_update_fn`` returned as its second output.
     """
 

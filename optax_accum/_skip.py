@@ -30,7 +30,8 @@ def skip_not_finite(
 
     Examples:
       >>> import jax.numpy as jnp, optax_accum
-      >>> skip, info = optax_accum.skip_not_finite({"w": jnp.array([1.0, jnp.nan])}, 0, None)
+      >>> grads = {"w": jnp.array([1.0, jnp.nan])}
+      >>> skip, info = optax_accum.skip_not_finite(grads, 0, None)
       >>> bool(skip), int(info["num_not_finite"])
       (True, 1)
     """

@@ -28,7 +28,7 @@ def check_positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         try:
             is_int_array = jnp.issubdtype(np.asarray(value).dtype, np.integer)
-        except Exception:  # noqa: BLE001 - any non-numeric object
+        except (TypeError, ValueError):  # a non-numeric object
             is_int_array = False
         if not (is_int_array and np.ndim(value) == 0):
             raise TypeError(f"`{name}` must be an integer, got {value!r}.")
