@@ -53,9 +53,7 @@ def test_k_micro_steps_equal_one_full_batch_step(name):
             params, state, _ = step(params, state, xb[sl], yb[sl])
         chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
         assert int(state.update_step) == w + 1
-    chex.assert_trees_all_close(
-        state.inner_state, ref_state, rtol=1e-5, atol=1e-6
-    )
+    chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("use_drop_in", [False, True])
@@ -94,7 +92,9 @@ def test_hold_steps_emit_exact_zeros_and_leave_inner_state_untouched():
     step = _train_step(tx)
     for i in range(2 * k):
         prev_params, prev_inner = params, state.inner_state
-        params, state, updates = step(params, state, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+        params, state, updates = step(
+            params, state, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+        )
         if (i + 1) % k:
             for u in jax.tree.leaves(updates):
                 np.testing.assert_array_equal(u, np.zeros_like(u))
@@ -126,7 +126,9 @@ def _run(tx, grads, weights=None, **kwargs):
     updates = []
     for i, g in enumerate(grads):
         w = None if weights is None else weights[i]
-        u, state = tx.update({"a": jnp.asarray(g, jnp.float32)}, state, params, weight=w, **kwargs)
+        u, state = tx.update(
+            {"a": jnp.asarray(g, jnp.float32)}, state, params, weight=w, **kwargs
+        )
         updates.append(float(u["a"]))
     return updates, state
 
@@ -193,9 +195,7 @@ def test_token_weighted_micro_batches_equal_full_batch_token_mean():
 
 
 def test_every_k_schedule_and_no_recompilation():
-    tx = optax_accum.accumulate(
-        optax.sgd(1e-4), lambda step: jnp.where(step < 2, 1, 3)
-    )
+    tx = optax_accum.accumulate(optax.sgd(1e-4), lambda step: jnp.where(step < 2, 1, 3))
     params = {"a": jnp.zeros([])}
     grads = {"a": jnp.ones([])}
 
@@ -224,7 +224,14 @@ def test_close_window_averages_a_partial_window():
     state = tx.init(params)
     update = jax.jit(tx.update)
     out = []
-    for g, close in [(1.0, False), (3.0, True), (5.0, False), (6.0, False), (7.0, False), (10.0, False)]:
+    for g, close in [
+        (1.0, False),
+        (3.0, True),
+        (5.0, False),
+        (6.0, False),
+        (7.0, False),
+        (10.0, False),
+    ]:
         u, state = update({"a": jnp.float32(g)}, state, params, close_window=close)
         out.append(float(u["a"]))
     assert out == [0.0, 2.0, 0.0, 0.0, 0.0, 7.0]
@@ -237,8 +244,16 @@ def test_skipped_micro_batches_leave_the_state_as_if_never_seen():
         tx = optax_accum.accumulate(optax.adam(0.1), 2, skip_fn=skip_fn)
         clean = optax_accum.accumulate(optax.adam(0.1), 2)
         state, clean_state = tx.init(params), clean.init(params)
-        grads = [jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.0]), jnp.array([3.0, 1.0])]
-        grads += [jnp.array([jnp.inf, 0.0]), jnp.array([-1.0, 5.0]), jnp.array([2.0, 2.0])]
+        grads = [
+            jnp.array([1.0, 2.0]),
+            jnp.array([jnp.nan, 1.0]),
+            jnp.array([3.0, 1.0]),
+        ]
+        grads += [
+            jnp.array([jnp.inf, 0.0]),
+            jnp.array([-1.0, 5.0]),
+            jnp.array([2.0, 2.0]),
+        ]
         update = jax.jit(tx.update)
         for g in grads:
             u, state = update({"a": g}, state, params)
@@ -287,7 +302,9 @@ def test_inject_hyperparams_schedule_counts_update_steps():
         if (i + 1) % k == 0:
             n = (i + 1) // k
             # The update used the learning rate of optimizer step n - 1.
-            np.testing.assert_allclose(float(u["a"]), -float(schedule(n - 1)), rtol=1e-6)
+            np.testing.assert_allclose(
+                float(u["a"]), -float(schedule(n - 1)), rtol=1e-6
+            )
             assert int(state.inner_state.count) == n
             np.testing.assert_allclose(
                 state.inner_state.hyperparams["learning_rate"],
@@ -307,7 +324,11 @@ def test_dtype_matrix(grad_dtype, param_dtype):
     inner_state, state = inner.init(params), tx.init(params)
     grads_list = []
     for i in range(k):
-        g = jax.grad(mlp_loss)(params, x[4 * i : 4 * i + 4].astype(param_dtype), y[4 * i : 4 * i + 4].astype(param_dtype))
+        g = jax.grad(mlp_loss)(
+            params,
+            x[4 * i : 4 * i + 4].astype(param_dtype),
+            y[4 * i : 4 * i + 4].astype(param_dtype),
+        )
         g = jax.tree.map(lambda a: a.astype(grad_dtype), g)
         grads_list.append(g)
         u, state = jax.jit(tx.update)(g, state, params)
@@ -337,7 +358,9 @@ def test_state_dtypes_are_stable_under_scan():
     params = {"a": jnp.zeros([3], jnp.bfloat16)}
 
     def body(state, _):
-        _, state = tx.update({"a": jnp.ones([3], jnp.bfloat16)}, state, params, weight=2)
+        _, state = tx.update(
+            {"a": jnp.ones([3], jnp.bfloat16)}, state, params, weight=2
+        )
         return state, None
 
     state, _ = jax.lax.scan(body, tx.init(params), jnp.arange(5))
@@ -358,12 +381,18 @@ def test_extra_args_are_forwarded_to_the_inner_optimizer():
         seen.append(sorted(extra_args))
         return jax.tree.map(lambda u: u * extra_args["value"], updates), state
 
-    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), inner_update)
+    inner = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), inner_update
+    )
     tx = optax_accum.accumulate(inner, 2)
     params = {"a": jnp.zeros([])}
     state = tx.init(params)
-    _, state = tx.update({"a": jnp.float32(1.0)}, state, params, value=jnp.float32(10.0))
-    u, state = tx.update({"a": jnp.float32(3.0)}, state, params, value=jnp.float32(10.0))
+    _, state = tx.update(
+        {"a": jnp.float32(1.0)}, state, params, value=jnp.float32(10.0)
+    )
+    u, state = tx.update(
+        {"a": jnp.float32(3.0)}, state, params, value=jnp.float32(10.0)
+    )
     assert float(u["a"]) == 20.0
     assert ["value"] in seen
 
@@ -378,12 +407,16 @@ def test_line_search_optimizer_lbfgs():
     ref_params, ref_state, state = params, ref.init(params), tx.init(params)
     for _ in range(3):
         value, grad = jax.value_and_grad(loss)(ref_params)
-        u, ref_state = ref.update(grad, ref_state, ref_params, value=value, grad=grad, value_fn=loss)
+        u, ref_state = ref.update(
+            grad, ref_state, ref_params, value=value, grad=grad, value_fn=loss
+        )
         ref_params = optax.apply_updates(ref_params, u)
         value, grad = jax.value_and_grad(loss)(params)
         for i in range(k):
             g = jax.grad(mlp_loss)(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
-            u, state = tx.update(g, state, params, value=value, grad=grad, value_fn=loss)
+            u, state = tx.update(
+                g, state, params, value=value, grad=grad, value_fn=loss
+            )
         params = optax.apply_updates(params, u)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-6)
 
@@ -400,7 +433,9 @@ def test_nnx_optimizer():
         return jnp.mean((model(x) - y) ** 2)
 
     model, ref_model = make(), make()
-    opt = nnx.Optimizer(model, optax_accum.accumulate(optax.adam(1e-2), k), wrt=nnx.Param)
+    opt = nnx.Optimizer(
+        model, optax_accum.accumulate(optax.adam(1e-2), k), wrt=nnx.Param
+    )
     ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit
@@ -410,8 +445,16 @@ def test_nnx_optimizer():
 
     for _ in range(2):
         for i in range(k):
-            step(model, opt, x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
+            step(
+                model,
+                opt,
+                x[i * micro : (i + 1) * micro],
+                y[i * micro : (i + 1) * micro],
+            )
         step(ref_model, ref_opt, x, y)
     chex.assert_trees_all_close(
-        nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-5, atol=1e-6
+        nnx.state(model, nnx.Param),
+        nnx.state(ref_model, nnx.Param),
+        rtol=1e-5,
+        atol=1e-6,
     )

@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""One process of the 2-process tests in `test_multihost.py`.
+
+Run by `optax_accum.launch_local`: 2 processes x 2 CPU devices, gloo. Each
+process feeds only its own rows of every batch. It trains the same MLP three
+ways (`accumulate` in shard_map, `microbatch` under jit, the Flax nnx step),
+compares each with the full-batch Adam trajectory computed here on one local
+device, and writes the results to ``<out>/process_<i>.npz`` plus a line of
+all-reduce counts from the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+
+# Both before any backend exists.
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+
+import optax_accum  # noqa: E402
+from optax_accum._distributed import ENV_COORDINATOR, ENV_PROCESS_ID  # noqa: E402
+
+NUM_PROCESSES = 2
+D, H = 8, 16  # input features, hidden units
+K = 4  # micro-batches per update
+MICRO = 8  # rows per global micro-batch (2 per device)
+UPDATES = 3
+LR = 0.05
+
+
+def main(out_dir: str) -> None:
+    pid = int(os.environ[ENV_PROCESS_ID])
+    optax_accum.initialize_distributed(
+        coordinator_address=os.environ[ENV_COORDINATOR],
+        num_processes=NUM_PROCESSES,
+        process_id=pid,
+        failure_timeout_s=30,
+        initialization_timeout=30,
+    )
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.process_count() == 2 and jax.device_count() == 4
+    mesh = jax.make_mesh((4,), ("d",))
+    rows_sharding = NamedSharding(mesh, P("d"))
+    replicated = NamedSharding(mesh, P())
+
+    # Every process can see the whole (tiny) data set, but feeds only its rows.
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(UPDATES * K * MICRO, D)).astype(np.float32)
+    ys = np.sin(xs.sum(1, keepdims=True)).astype(np.float32)
+    params0 = {
+        "w1": (rng.normal(size=(D, H)) / np.sqrt(D)).astype(np.float32),
+        "b1": np.zeros(H, np.float32),
+        "w2": (rng.normal(size=(H, 1)) / np.sqrt(H)).astype(np.float32),
+        "b2": np.zeros(1, np.float32),
+    }
+
+    def mlp(p, x):
+        return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((mlp(p, x) - y) ** 2)
+
+    def own_rows(global_rows: np.ndarray) -> jax.Array:
+        """The global array of ``global_rows``, built from this process's rows."""
+        shape = global_rows.shape
+        idx = rows_sharding.addressable_devices_indices_map(shape).values()
+        lo = min(i[0].start or 0 for i in idx)
+        hi = max(shape[0] if i[0].stop is None else i[0].stop for i in idx)
+        local = global_rows[lo:hi]
+        return jax.make_array_from_process_local_data(rows_sharding, local, shape)
+
+    def replicate(tree):
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(
+                replicated, np.asarray(a), np.shape(a)
+            ),
+            tree,
+        )
+
+    def update_rows(u: int) -> slice:
+        return slice(u * K * MICRO, (u + 1) * K * MICRO)
+
+    # Reference: full-batch Adam on one local device, no collectives.
+    tx = optax.adam(LR)
+    ref = jax.device_put(params0, jax.local_devices()[0])
+    ref_state = tx.init(ref)
+
+    @jax.jit
+    def ref_step(p, s, x, y):
+        g = jax.grad(loss)(p, (x, y))
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for u in range(UPDATES):
+        ref, ref_state = ref_step(ref, ref_state, xs[update_rows(u)], ys[update_rows(u)])
+    results = {"reference": ref}
+    counts = {}
+
+    # (1) accumulate inside shard_map, one call per micro-batch.
+    acc = optax_accum.accumulate(optax.adam(LR), K, axis_name="d")
+    specs = optax_accum.state_specs(jax.eval_shape(acc.init, params0), "d")
+
+    def acc_step(p, s, x, y):
+        g = jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y))
+        upd, s = acc.update(g, s, p)
+        return optax.apply_updates(p, upd), s
+
+    init = jax.jit(jax.shard_map(acc.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    step = jax.jit(
+        jax.shard_map(
+            acc_step,
+            mesh=mesh,
+            in_specs=(P(), specs, P("d"), P("d")),
+            out_specs=(P(), specs),
+        )
+    )
+    p = replicate(params0)
+    s = init(p)
+    for m in range(UPDATES * K):
+        rows = slice(m * MICRO, (m + 1) * MICRO)
+        p, s = step(p, s, own_rows(xs[rows]), own_rows(ys[rows]))
+    results["accumulate"] = p
+    counts["accumulate"] = _all_reduces(
+        step.lower(p, s, own_rows(xs[:MICRO]), own_rows(ys[:MICRO])).compile()
+    )
+
+    # (2) microbatch under jit, the whole update's batch sharded over 4 devices.
+    vg = optax_accum.microbatch(jax.value_and_grad(loss), K)
+
+    @jax.jit
+    def mb_step(p, s, x, y):
+        _, g = vg(p, (x, y))
+        upd, s = tx.update(g, s, p)
+        return optax.apply_updates(p, upd), s
+
+    with jax.set_mesh(mesh):
+        p = replicate(params0)
+        s = jax.jit(tx.init)(p)
+        for u in range(UPDATES):
+            p, s = mb_step(p, s, own_rows(xs[update_rows(u)]), own_rows(ys[update_rows(u)]))
+        results["microbatch"] = p
+        counts["microbatch"] = _all_reduces(
+            mb_step.lower(p, s, own_rows(xs[update_rows(0)]), own_rows(ys[update_rows(0)])).compile()
+        )
+
+    # (3) the Flax nnx train step (microbatch inside), same MLP and data.
+    results["nnx"] = _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows)
+
+    # Baselines for the README's cost table (compiled only, not run).
+    counts.update(_baselines(mesh, params0, loss, own_rows, xs, ys, specs))
+
+    flat = {
+        f"{name}/{key}": np.asarray(v.addressable_data(0))
+        for name, tree in results.items()
+        for key, v in tree.items()
+    }
+    np.savez(os.path.join(out_dir, f"process_{pid}.npz"), **flat)
+    print("ALL_REDUCES " + json.dumps(counts), flush=True)
+    print(f"process {pid}: done", flush=True)
+
+
+def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.l1 = nnx.Linear(D, H, rngs=rngs)
+            self.l2 = nnx.Linear(H, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    with jax.set_mesh(mesh):
+        model = MLP(nnx.Rngs(0))
+        model.l1.kernel.value = replicate(params0["w1"])
+        model.l1.bias.value = replicate(params0["b1"])
+        model.l2.kernel.value = replicate(params0["w2"])
+        model.l2.bias.value = replicate(params0["b2"])
+        optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
+        # Host-created leaves (Adam's count) become replicated global arrays.
+        opt_state = nnx.state(optimizer)
+        nnx.update(
+            optimizer,
+            jax.tree.map(
+                lambda a: a if len(a.sharding.device_set) == 4 else replicate(a),
+                opt_state,
+            ),
+        )
+
+        def loss_fn(model, x, y):
+            return jnp.mean((model(x) - y) ** 2)
+
+        step = nnx.jit(nnx_train_step(loss_fn, K))
+        for u in range(UPDATES):
+            r = update_rows(u)
+            step(model, optimizer, own_rows(xs[r]), own_rows(ys[r]))
+    return {
+        "w1": model.l1.kernel.value,
+        "b1": model.l1.bias.value,
+        "w2": model.l2.kernel.value,
+        "b2": model.l2.bias.value,
+    }
+
+
+def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
+    """All-reduce counts of MultiSteps with a per-micro-step pmean and of plain DP."""
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    ms = optax.MultiSteps(optax.adam(LR), K)
+    tx = optax.adam(LR)
+
+    def ms_step(p, s, x, y):
+        g = jax.lax.pmean(jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d")
+        upd, s = ms.update(g, s, p)
+        return optax.apply_updates(p, upd), s
+
+    def dp_step(p, s, x, y):
+        g = jax.lax.pmean(jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d")
+        upd, s = tx.update(g, s, p)
+        return optax.apply_updates(p, upd), s
+
+    p = jax.eval_shape(lambda: params0)
+    x, y = own_rows(xs[:MICRO]), own_rows(ys[:MICRO])
+    out = {}
+    for name, fn, t in (("multisteps_pmean", ms_step, ms), ("data_parallel", dp_step, tx)):
+        s = jax.eval_shape(t.init, params0)
+        sm = jax.jit(
+            jax.shard_map(
+                fn, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P())
+            )
+        )
+        out[name] = _all_reduces(sm.lower(p, s, x, y).compile())
+    return out
+
+
+_ALL_REDUCE = re.compile(r"=\s*\S.*?\ball-reduce(?:-start)?\(")
+
+
+def _all_reduces(compiled) -> int:
+    """All-reduce instructions in the compiled HLO (in any branch or loop)."""
+    return sum(bool(_ALL_REDUCE.search(line)) for line in compiled.as_text().splitlines())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

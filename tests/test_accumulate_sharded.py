@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`accumulate(..., axis_name=...)` under pmap and shard_map on 8 CPU devices."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import mlp_loss, mlp_params, regression_data
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+N = 8
+K = 3
+
+
+def _full_batch_reference(tx, params, x, y, windows):
+    state = tx.init(params)
+    for w in range(windows):
+        xb, yb = x[w], y[w]
+        g = jax.grad(mlp_loss)(
+            params, xb.reshape(-1, xb.shape[-1]), yb.reshape(-1, yb.shape[-1])
+        )
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+    return params
+
+
+def _data(windows):
+    # (windows, K micro-batches, N devices * 2 rows, features)
+    x, y = regression_data(windows * K * N * 2, seed=4)
+    return x.reshape(windows, K, N * 2, -1), y.reshape(windows, K, N * 2, -1)
+
+
+def _conditional_branches(hlo: str) -> tuple[set[str], dict[str, str]]:
+    """Names of computations reachable from conditional branches, and all bodies."""
+    bodies: dict[str, str] = {}
+    name = None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            name = m.group(1)
+            bodies[name] = ""
+        elif name:
+            bodies[name] += line + "\n"
+    roots = set()
+    for body in bodies.values():
+        for m in re.finditer(r"branch_computations=\{([^}]*)\}", body):
+            roots |= set(re.findall(r"%([\w.\-]+)", m.group(1)))
+        for m in re.finditer(r"(?:true|false)_computation=%([\w.\-]+)", body):
+            roots.add(m.group(1))
+    reach, todo = set(), list(roots)
+    while todo:
+        c = todo.pop()
+        if c in reach or c not in bodies:
+            continue
+        reach.add(c)
+        todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", bodies[c])
+    return reach, bodies
+
+
+def _all_reduces(hlo: str) -> tuple[int, int]:
+    """(all-reduces inside conditional branches, all-reduces elsewhere)."""
+    in_branch, bodies = _conditional_branches(hlo)
+    inside = outside = 0
+    for comp, body in bodies.items():
+        n = len(re.findall(r" all-reduce(?:-start)?\(", body))
+        if comp in in_branch:
+            inside += n
+        else:
+            outside += n
+    return inside, outside
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_pmap_matches_single_device_full_batch(reduction):
+    windows = 2
+    x, y = _data(windows)
+    params = mlp_params()
+    inner = optax.adam(1e-2)
+    tx = optax_accum.accumulate(inner, K, axis_name="d", reduction=reduction)
+
+    def step(p, s, xb, yb):
+        g = jax.grad(mlp_loss)(p, xb, yb)  # local gradient: no pmean
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    pstep = jax.pmap(step, axis_name="d")
+    rep = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), params)
+    state = jax.pmap(tx.init, axis_name="d")(rep)
+    p = rep
+    for w in range(windows):
+        for i in range(K):
+            p, state = pstep(
+                p, state, x[w, i].reshape(N, 2, -1), y[w, i].reshape(N, 2, -1)
+            )
+    if reduction == "mean":
+        ref = _full_batch_reference(inner, params, x, y, windows)
+    else:
+        # The sum over K micro-batches and N devices of per-shard mean gradients.
+        scaled = optax.chain(optax.scale(K * N), inner)
+        ref = _full_batch_reference(scaled, params, x, y, windows)
+    for d in (0, N - 1):
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda a: a[d], p), ref, rtol=1e-5, atol=1e-6
+        )
+    hlo = (
+        pstep.lower(p, state, x[0, 0].reshape(N, 2, -1), y[0, 0].reshape(N, 2, -1))
+        .compile()
+        .as_text()
+    )
+    assert _all_reduces(hlo) == (1, 0)
+
+
+def _shard_map_step(tx, mesh, specs):
+    def step(p, s, xb, yb, weight):
+        # Varying params make jax.grad return the device-local gradient.
+        g = jax.grad(mlp_loss)(jax.lax.pcast(p, "d", to="varying"), xb, yb)
+        u, s = tx.update(g, s, p, weight=weight[0])
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), specs, P("d"), P("d"), P("d")),
+            out_specs=(P(), specs),
+        )
+    )
+
+
+def test_shard_map_matches_single_device_full_batch_and_reduces_once():
+    windows = 2
+    x, y = _data(windows)
+    params = mlp_params()
+    inner = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
+    tx = optax_accum.accumulate(inner, K, axis_name="d")
+    mesh = jax.make_mesh((N,), ("d",))
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    step = _shard_map_step(tx, mesh, specs)
+    shard = NamedSharding(mesh, P("d"))
+    ones = jax.device_put(jnp.ones(N), shard)
+    state, p = init(params), params
+    assert state.accumulator[0]["w"].shape == (N, 6, 8)
+    for w in range(windows):
+        for i in range(K):
+            xb, yb = (jax.device_put(a[w, i], shard) for a in (x, y))
+            p, state = step(p, state, xb, yb, ones)
+    ref = _full_batch_reference(inner, params, x, y, windows)
+    chex.assert_trees_all_close(p, ref, rtol=1e-5, atol=1e-6)
+    hlo = step.lower(p, state, xb, yb, ones).compile().as_text()
+    # One (combined) all-reduce per update, inside the boundary branch.
+    assert _all_reduces(hlo) == (1, 0)
+
+
+def test_shard_map_token_weights_across_devices():
+    # Devices hold different numbers of valid rows; weights make it exact.
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2, axis_name="d")
+    mesh = jax.make_mesh((N,), ("d",))
+    params = mlp_params()
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def masked_loss(p, x, y, m):
+        h = x
+        for i, layer in enumerate(p):
+            h = h @ layer["w"] + layer["b"]
+            if i < len(p) - 1:
+                h = jnp.tanh(h)
+        per_row = jnp.mean((h - y) ** 2, axis=-1)
+        return jnp.sum(per_row * m) / jnp.maximum(jnp.sum(m), 1)
+
+    def step(p, s, xb, yb, mb):
+        g = jax.grad(masked_loss)(jax.lax.pcast(p, "d", to="varying"), xb, yb, mb)
+        u, s = tx.update(g, s, p, weight=jnp.sum(mb))
+        return u, s
+
+    sm = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), specs, P("d"), P("d"), P("d")),
+            out_specs=(P(), specs),
+        )
+    )
+    x, y = regression_data(2 * N * 4, seed=5)
+    x, y = x.reshape(2, N * 4, -1), y.reshape(2, N * 4, -1)
+    rng = np.random.default_rng(0)
+    m = jnp.asarray(rng.random((2, N * 4)) < 0.4, jnp.float32)
+    shard = NamedSharding(mesh, P("d"))
+    state = init(params)
+    for i in range(2):
+        u, state = sm(params, state, *(jax.device_put(a[i], shard) for a in (x, y, m)))
+    full = jax.grad(masked_loss)(
+        params, x.reshape(-1, 6), y.reshape(-1, 3), m.reshape(-1)
+    )
+    chex.assert_trees_all_close(
+        u, jax.tree.map(jnp.negative, full), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_skip_fn_agrees_across_devices_with_one_scalar_all_reduce():
+    tx = optax_accum.accumulate(
+        optax.sgd(1.0), 2, axis_name="d", skip_fn=optax_accum.skip_not_finite
+    )
+    params = {"a": jnp.zeros(2)}
+    rep = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), params)
+    state = jax.pmap(tx.init, axis_name="d")(rep)
+    update = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name="d")
+    g = np.ones((N, 2), np.float32)
+    g[3, 0] = np.nan  # one device sees a NaN: every device skips the micro-batch
+    u, state = update({"a": jnp.asarray(g)}, state, rep)
+    np.testing.assert_array_equal(np.asarray(state.micro_step), np.zeros(N))
+    np.testing.assert_array_equal(np.asarray(state.num_skipped), np.ones(N))
+    hlo = update.lower({"a": jnp.asarray(g)}, state, rep).compile().as_text()
+    inside, outside = _all_reduces(hlo)
+    assert (inside, outside) == (1, 1)

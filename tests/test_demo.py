@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""End-to-end tests of ``python -m optax_accum demo`` and ``bench``."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from optax_accum.__main__ import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_end_to_end(tmp_path):
+    out = tmp_path / "plots"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "optax_accum",
+            "demo",
+            "-k",
+            "3",
+            "-b",
+            "8",
+            "--steps",
+            "25",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    rows = {}
+    for name in ("small batch 8", "accumulate 3x8", "microbatch 3x8", "large batch 24"):
+        match = re.search(rf"^{re.escape(name)}\s+(.*)$", text, re.MULTILINE)
+        assert match, text
+        rows[name] = match.group(1).split()
+    # Columns: final loss, test acc, max |Δparam|, ms / update, temp memory.
+    for name in ("accumulate 3x8", "microbatch 3x8"):
+        assert float(rows[name][2]) <= 1e-4
+        # Same parameters as the large batch, so the same loss to 4 decimals.
+        assert rows[name][0] == rows["large batch 24"][0]
+    assert rows["small batch 8"][2] == rows["large batch 24"][2] == "-"
+    for cells in rows.values():
+        loss, acc = float(cells[0]), float(cells[1].rstrip("%"))
+        assert 0 < loss < 2.4  # below chance level, ln(10) = 2.30...
+        assert 10 < acc <= 100
+        assert float(cells[3]) > 0
+        assert cells[-1] == "KiB"
+    png = out / "optax_accum_demo.png"
+    assert f"Wrote the loss curves to {png}" in text
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "OK: both accumulated runs match" in text
+
+
+def test_demo_exits_non_zero_on_mismatch(tmp_path, capsys):
+    # A negative tolerance makes every comparison fail: the exit path itself.
+    status = main(
+        [
+            "demo",
+            "-k",
+            "2",
+            "-b",
+            "4",
+            "--steps",
+            "2",
+            "--tolerance",
+            "-1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    assert status == 1
+    assert "FAIL: accumulate 2x4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv", [["demo", "-k", "0"], ["demo", "-b", "x"], ["demo", "--steps", "-3"], []]
+)
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "usage: python -m optax_accum" in capsys.readouterr().err
+
+
+def test_bench_runs_each_script(tmp_path, capsys):
+    bench_dir = tmp_path / "benchmarks"
+    bench_dir.mkdir()
+    for name, body in (("b_second", "two"), ("a_first", "one")):
+        (bench_dir / f"bench_{name}.py").write_text(
+            textwrap.dedent(f"""
+            def run(quick: bool) -> str:
+                return "| x |\\n|---|\\n| {body} quick={{}} |".format(quick)
+        """)
+        )
+    (bench_dir / "helper.py").write_text("raise RuntimeError('not a benchmark')\n")
+    md = tmp_path / "tables.md"
+    status = main(
+        ["bench", "--quick", "--benchmarks-dir", str(bench_dir), "--out", str(md)]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert out.index("### bench_a_first") < out.index("### bench_b_second")
+    assert "| one quick=True |" in out and "| two quick=True |" in out
+    written = md.read_text()
+    assert written.startswith("### bench_a_first\n\n| x |\n|---|\n| one quick=True |")
+    assert "| two quick=True |" in written
+
+
+def test_bench_without_quick_passes_false(tmp_path, capsys):
+    (tmp_path / "bench_x.py").write_text(
+        "def run(quick):\n    return f'quick={quick}'\n"
+    )
+    assert main(["bench", "--benchmarks-dir", str(tmp_path)]) == 0
+    assert "quick=False" in capsys.readouterr().out
+
+
+def test_bench_missing_directory_is_a_clear_error(tmp_path, capsys):
+    status = main(["bench", "--benchmarks-dir", str(tmp_path / "nowhere")])
+    assert status == 2
+    assert "no benchmarks/bench_*.py found" in capsys.readouterr().err
+
+
+def test_bench_script_without_run(tmp_path):
+    (tmp_path / "bench_bad.py").write_text("x = 1\n")
+    with pytest.raises(AttributeError, match=r"bench_bad.py has no `run"):
+        main(["bench", "--benchmarks-dir", str(tmp_path)])
+
+
+def test_default_benchmarks_dir_is_the_repository_one():
+    from optax_accum.__main__ import BENCHMARKS_DIR
+
+    assert BENCHMARKS_DIR.name == "benchmarks"
+    assert (BENCHMARKS_DIR.parent / "pyproject.toml").is_file()

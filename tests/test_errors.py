@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Bad input raises a clear error naming the argument and the value."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+
+PARAMS = {"a": jnp.zeros(3), "b": jnp.zeros([])}
+GRADS = {"a": jnp.ones(3), "b": jnp.ones([])}
+
+
+@pytest.mark.parametrize(
+    ("every_k", "error", "match"),
+    [
+        (0, ValueError, "`every_k` must be >= 1, got 0"),
+        (-2, ValueError, "`every_k` must be >= 1, got -2"),
+        (2.5, TypeError, "`every_k` must be an integer, got 2.5"),
+        ("3", TypeError, "`every_k` must be an integer, got '3'"),
+        (True, TypeError, "`every_k` must be an integer, got True"),
+        (None, TypeError, "`every_k` must be an integer, got None"),
+    ],
+)
+def test_every_k(every_k, error, match):
+    with pytest.raises(error, match=match):
+        optax_accum.accumulate(optax.sgd(1.0), every_k)
+    with pytest.raises(error, match=match.replace("every_k", "every_k")):
+        optax_accum.MultiSteps(optax.sgd(1.0), every_k)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "error", "match"),
+    [
+        (lambda step: 0, ValueError, r"`every_k\(update_step\)` must be >= 1, got 0"),
+        (
+            lambda step: 2.0,
+            TypeError,
+            r"`every_k\(update_step\)` must return an integer",
+        ),
+        (
+            lambda step: jnp.float32(2),
+            TypeError,
+            "must return an integer, got dtype float32",
+        ),
+        (
+            lambda step: jnp.ones(2, jnp.int32),
+            ValueError,
+            r"must return a scalar, got shape \(2,\)",
+        ),
+    ],
+)
+def test_every_k_schedule_values(schedule, error, match):
+    tx = optax_accum.accumulate(optax.sgd(1.0), schedule)
+    with pytest.raises(error, match=match):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS)
+
+
+def test_reduction():
+    with pytest.raises(
+        ValueError, match=r"`reduction` must be one of \('mean', 'sum'\), got 'avg'"
+    ):
+        optax_accum.accumulate(optax.sgd(1.0), 2, reduction="avg")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "bool", "not-a-dtype", object])
+def test_accumulator_dtype(dtype):
+    with pytest.raises(TypeError, match="`accumulator_dtype` must be a floating dtype"):
+        optax_accum.accumulate(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+    with pytest.raises(TypeError, match="`accumulator_dtype` must be a floating dtype"):
+        optax_accum.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+
+
+def test_gradient_tree_mismatch():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match="`grads` must have the tree structure"):
+        tx.update({"a": jnp.ones(3)}, state, PARAMS)
+    with pytest.raises(
+        ValueError, match=r"`grads` leaf shapes must match.*got \(4,\), expected \(3,\)"
+    ):
+        tx.update({"a": jnp.ones(4), "b": jnp.ones([])}, state, PARAMS)
+    with pytest.raises(ValueError, match="`grads` must have the tree structure"):
+        jax.jit(tx.update)([jnp.ones(3), jnp.ones([])], state, PARAMS)
+
+
+@pytest.mark.parametrize("weight", [jnp.ones(2), [1.0, 2.0], jnp.ones((1, 1))])
+def test_non_scalar_weight(weight):
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    with pytest.raises(ValueError, match="`weight` must be a scalar, got shape"):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, weight=weight)
+
+
+def test_non_numeric_weight():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    with pytest.raises(
+        TypeError, match="`weight` must be a real number, got dtype bool"
+    ):
+        tx.update(GRADS, tx.init(PARAMS), PARAMS, weight=jnp.bool_(True))
+
+
+@pytest.mark.parametrize(
+    "skip_fn",
+    [
+        lambda g, s, p: jnp.float32(0.0),
+        lambda g, s, p: jnp.zeros(2, jnp.bool_),
+        lambda g, s, p: (jnp.int32(0), {}),
+        lambda g, s, p: False,
+    ],
+)
+def test_skip_fn_must_return_a_boolean_scalar(skip_fn):
+    with pytest.raises(TypeError, match="`skip_fn` must return a boolean scalar"):
+        optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=skip_fn).init(PARAMS)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, [1.0, 2.0]])
+def test_skip_large_updates_max_norm(max_norm):
+    with pytest.raises(ValueError, match="`max_norm` must be a positive scalar"):
+        optax_accum.skip_large_updates(max_norm)

@@ -1,0 +1,280 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Tests for `plan_micro_batch`, against memory measured by compiling directly."""
+
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+
+TARGET = 256
+
+
+def _loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    logits = h @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _setup():
+    params = {
+        "w1": jnp.zeros((64, 512)),
+        "b1": jnp.zeros(512),
+        "w2": jnp.zeros((512, 10)),
+    }
+    tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    opt_state = tx.init(params)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    example = {"x": jnp.zeros(64), "y": jnp.zeros([], jnp.int32)}
+    return train_step, params, opt_state, example
+
+
+def _measured(step, params, opt_state, m):
+    """Memory of the step compiled at size m, read field by field."""
+    batch = {
+        "x": jax.ShapeDtypeStruct((m, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct((m,), jnp.int32),
+    }
+    fn = step if hasattr(step, "lower") else jax.jit(step)
+    stats = fn.lower(params, opt_state, batch).compile().memory_analysis()
+    return (
+        stats.temp_size_in_bytes
+        + stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _setup()
+
+
+@pytest.fixture(scope="module")
+def measured(setup):
+    step, params, opt_state, _ = setup
+    sizes = [m for m in range(1, TARGET + 1) if TARGET % m == 0]
+    return {m: _measured(step, params, opt_state, m) for m in sizes}
+
+
+def test_memory_grows_with_size_above_one(measured):
+    # The premise of the binary search (m = 1 may be special, see the docs).
+    values = [measured[m] for m in sorted(measured) if m >= 2]
+    assert values == sorted(values)
+    assert values[-1] > 1.5 * values[0]
+
+
+@pytest.mark.parametrize("between", [(8, 16), (32, 64), (128, 256)])
+def test_chosen_fits_and_next_does_not(setup, measured, between):
+    step, params, opt_state, example = setup
+    small, big = between
+    budget = (measured[small] + measured[big]) // 2
+    plan = optax_accum.plan_micro_batch(
+        step, params, opt_state, example, TARGET, memory_budget=budget
+    )
+    assert plan.micro_batch_size == small
+    assert plan.num_micro_batches == TARGET // small
+    assert plan.effective_batch_size == TARGET
+    assert plan.memory_bytes == measured[small] <= budget
+    assert plan.next_micro_batch_size == big
+    assert plan.next_memory_bytes == measured[big] > budget
+    # Brute force agrees: the largest divisor that fits.
+    assert plan.micro_batch_size == max(m for m, b in measured.items() if b <= budget)
+    # Binary search over 9 candidates: at most 2 + ceil(log2(9)) compilations.
+    assert plan.num_compilations <= 2 + math.ceil(math.log2(len(measured)))
+
+
+def test_everything_fits(setup, measured):
+    step, params, opt_state, example = setup
+    plan = optax_accum.plan_micro_batch(
+        step, params, opt_state, example, TARGET, memory_budget=10 * 2**30
+    )
+    assert (plan.micro_batch_size, plan.num_micro_batches) == (TARGET, 1)
+    assert plan.memory_bytes == measured[TARGET]
+    assert plan.next_micro_batch_size is None and plan.next_memory_bytes is None
+    assert plan.num_compilations == 1
+
+
+def test_nothing_fits(setup, measured):
+    step, params, opt_state, example = setup
+    with pytest.raises(ValueError, match=r"`memory_budget`=1,000 bytes.*1: .*2: "):
+        optax_accum.plan_micro_batch(
+            step, params, opt_state, example, TARGET, memory_budget=1000
+        )
+
+
+def test_not_divisible_rounds_k_up(setup):
+    step, params, opt_state, example = setup
+    sizes = range(8, 100, 8)
+    measured = {m: _measured(step, params, opt_state, m) for m in (40, 48)}
+    budget = (measured[40] + measured[48]) // 2
+    plan = optax_accum.plan_micro_batch(
+        step,
+        params,
+        opt_state,
+        example,
+        100,
+        memory_budget=budget,
+        multiple_of=8,
+        divisors_only=False,
+    )
+    assert 40 in sizes
+    assert plan.micro_batch_size == 40
+    assert plan.num_micro_batches == 3  # ceil(100 / 40)
+    assert plan.effective_batch_size == 120
+    assert plan.next_micro_batch_size == 48
+    assert plan.memory_bytes == measured[40]
+
+
+def test_donating_jitted_step_uses_its_aliasing(setup):
+    step, params, opt_state, example = setup
+    donated = jax.jit(step, donate_argnums=(0, 1))
+    plain = _measured(step, params, opt_state, 32)
+    with_alias = _measured(donated, params, opt_state, 32)
+    assert with_alias < plain
+    plan = optax_accum.plan_micro_batch(
+        donated, params, opt_state, example, 32, memory_budget=with_alias
+    )
+    assert plan.micro_batch_size == 32
+    assert plan.memory_bytes == with_alias
+
+
+def test_loss_without_optimizer_state(setup):
+    _, params, _, example = setup
+    grad_fn = jax.value_and_grad(_loss)
+
+    def measured(m):
+        batch = {
+            "x": jax.ShapeDtypeStruct((m, 64), jnp.float32),
+            "y": jax.ShapeDtypeStruct((m,), jnp.int32),
+        }
+        compiled = jax.jit(grad_fn).lower(params, batch).compile()
+        return optax_accum.compiled_memory_bytes(compiled)
+
+    budget = (measured(16) + measured(32)) // 2
+    # At m = 1 XLA uses a matrix-vector product that needs more memory than
+    # m = 16: the planner must not give up there.
+    assert measured(1) > budget
+    plan = optax_accum.plan_micro_batch(
+        grad_fn, params, None, example, 64, memory_budget=budget
+    )
+    assert (plan.micro_batch_size, plan.num_micro_batches) == (16, 4)
+
+
+def test_abstract_params_are_accepted(setup, measured):
+    step, params, opt_state, example = setup
+    abstract = jax.eval_shape(lambda: (params, opt_state))
+    budget = (measured[64] + measured[128]) // 2
+    plan = optax_accum.plan_micro_batch(
+        step, *abstract, example, TARGET, memory_budget=budget
+    )
+    assert plan.micro_batch_size == 64
+
+
+def test_cpu_requires_a_budget(setup):
+    step, params, opt_state, example = setup
+    assert jax.devices()[0].memory_stats() is None
+    with pytest.raises(ValueError, match="`memory_budget` is required on cpu"):
+        optax_accum.plan_micro_batch(step, params, opt_state, example, TARGET)
+
+
+def test_default_budget_is_free_device_memory(setup, measured):
+    step, params, opt_state, example = setup
+    in_use = 123_456
+    limit = in_use + (measured[4] + measured[8]) // 2
+    device = SimpleNamespace(
+        platform="gpu",
+        memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": in_use},
+    )
+    plan = optax_accum.plan_micro_batch(
+        step, params, opt_state, example, TARGET, device=device
+    )
+    assert plan.memory_budget == limit - in_use
+    assert plan.micro_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"target_batch_size": 0}, ValueError, "`target_batch_size`"),
+        ({"target_batch_size": 8.0}, TypeError, "`target_batch_size`"),
+        ({"memory_budget": -1}, ValueError, "`memory_budget`"),
+        ({"multiple_of": 3}, ValueError, "multiple of `multiple_of`=3"),
+        ({"max_micro_batch_size": 0}, ValueError, "`max_micro_batch_size`"),
+    ],
+)
+def test_bad_input(setup, kwargs, error, match):
+    step, params, opt_state, example = setup
+    args = {"target_batch_size": 16, "memory_budget": 10**9}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        optax_accum.plan_micro_batch(step, params, opt_state, example, **args)
+
+
+def test_flax_nnx_state_with_prng_keys():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(64, 256, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.out = nnx.Linear(256, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(jax.nn.relu(self.hidden(x))))
+
+    model = MLP(nnx.Rngs(0, dropout=1))
+    tx = optax_accum.accumulate(optax.adam(1e-3), every_k=2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["y"]
+            ).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    def measured(m):
+        batch = {
+            "x": jax.ShapeDtypeStruct((m, 64), jnp.float32),
+            "y": jax.ShapeDtypeStruct((m,), jnp.int32),
+        }
+        stats = jax.jit(step).lower(state, batch).compile().memory_analysis()
+        return (
+            stats.temp_size_in_bytes
+            + stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes
+        )
+
+    fits, too_big = measured(8), measured(16)
+    example = {"x": jnp.zeros(64), "y": jnp.zeros([], jnp.int32)}
+    # Candidates 8, 16, 32 only: each compilation of this step is slow.
+    plan = optax_accum.plan_micro_batch(
+        step,
+        state,
+        None,
+        example,
+        32,
+        memory_budget=(fits + too_big) // 2,
+        multiple_of=8,
+    )
+    assert (plan.micro_batch_size, plan.num_micro_batches) == (8, 4)
+    assert (plan.memory_bytes, plan.next_memory_bytes) == (fits, too_big)
