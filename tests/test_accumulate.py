@@ -108,7 +108,9 @@ def test_hold_steps_emit_exact_zeros_and_leave_inner_state_untouched():
             assert int(state.inner_state[0].count) == (i + 1) // k
             assert any(
                 not np.array_equal(a, b)
-                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(prev_params))
+                for a, b in zip(
+                    jax.tree.leaves(params), jax.tree.leaves(prev_params), strict=True
+                )
             )
 
 

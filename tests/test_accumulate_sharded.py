@@ -110,7 +110,7 @@ def test_pmap_matches_single_device_full_batch(reduction):
         ref = _full_batch_reference(scaled, params, x, y, windows)
     for d in (0, N - 1):
         chex.assert_trees_all_close(
-            jax.tree.map(lambda a: a[d], p), ref, rtol=1e-5, atol=1e-6
+            jax.tree.map(lambda a, d=d: a[d], p), ref, rtol=1e-5, atol=1e-6
         )
     hlo = (
         pstep.lower(p, state, x[0, 0].reshape(N, 2, -1), y[0, 0].reshape(N, 2, -1))
@@ -219,6 +219,7 @@ def test_skip_fn_agrees_across_devices_with_one_scalar_all_reduce():
     g = np.ones((N, 2), np.float32)
     g[3, 0] = np.nan  # one device sees a NaN: every device skips the micro-batch
     u, state = update({"a": jnp.asarray(g)}, state, rep)
+    np.testing.assert_array_equal(np.asarray(u["a"]), np.zeros((N, 2)))
     np.testing.assert_array_equal(np.asarray(state.micro_step), np.zeros(N))
     np.testing.assert_array_equal(np.asarray(state.num_skipped), np.ones(N))
     hlo = update.lower({"a": jnp.asarray(g)}, state, rep).compile().as_text()

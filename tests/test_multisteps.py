@@ -174,11 +174,11 @@ def test_multi_steps_mixed_precision(opt_name, opt_kwargs):
     for upd_dtype in dtypes:
         for param_dtype in dtypes:
             data = jnp.ones([8, 6], param_dtype)
-            params = jax.tree.map(lambda p: p.astype(param_dtype), mlp_params())
+            params = jax.tree.map(lambda p, t=param_dtype: p.astype(t), mlp_params())
             opt_state, ms_state = opt.init(params), ms_init(params)
             for _ in range(k_steps + 1):
                 grad = jax.tree.map(
-                    lambda x: x.astype(upd_dtype), jax.grad(_loss)(params, data)
+                    lambda x, t=upd_dtype: x.astype(t), jax.grad(_loss)(params, data)
                 )
                 updates, opt_state = opt_update(grad, opt_state, params)
                 ms_updates, ms_state = ms_update(grad, ms_state, params)
