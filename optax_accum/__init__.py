@@ -9,6 +9,9 @@ from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
 from ._accumulate import has_updated as has_updated
 from ._accumulate import state_specs as state_specs
+from ._distributed import LocalRun as LocalRun
+from ._distributed import initialize_distributed as initialize_distributed
+from ._distributed import launch_local as launch_local
 from ._lr import batch_size_warmup as batch_size_warmup
 from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
@@ -28,6 +31,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "AccumulateState",
+    "LocalRun",
     "MicroBatchPlan",
     "MultiSteps",
     "MultiStepsState",
@@ -37,6 +41,8 @@ __all__ = [
     "batch_size_warmup",
     "compiled_memory_bytes",
     "has_updated",
+    "initialize_distributed",
+    "launch_local",
     "microbatch",
     "plan_micro_batch",
     "scale_learning_rate",

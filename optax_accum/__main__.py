@@ -1,17 +1,138 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Command line: ``python -m optax_accum demo`` and ``python -m optax_accum bench``."""
+"""Command line: ``python -m optax_accum demo`` and ``python -m optax_accum bench``.
+
+``demo`` lives in `_demo`. ``bench`` runs the ``benchmarks/bench_*.py`` scripts
+of a source checkout (they are not part of the installed package), each of
+which exposes ``run(quick: bool) -> str`` returning a Markdown table.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import sys
+from pathlib import Path
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m optax_accum",
+        description="Gradient accumulation for JAX: demo and benchmarks.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train on the digits data set with and without accumulation",
+        description=(
+            "Trains a Flax nnx MLP on scikit-learn's bundled 8x8 digits with a "
+            "small batch b, with k x b accumulated through `accumulate` and "
+            "through `microbatch`, and with a true batch of k x b. Prints a "
+            "table, writes a PNG of the loss curves, and exits with status 1 "
+            "if an accumulated run differs from the large batch by more than "
+            "--tolerance (largest absolute parameter difference)."
+        ),
+    )
+    demo.add_argument(
+        "-k", type=_positive_int, default=4, help="micro-batches per update"
+    )
+    demo.add_argument("-b", type=_positive_int, default=32, help="micro-batch size")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=200, help="updates per run"
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="data order and initialisation"
+    )
+    demo.add_argument(
+        "--lr", type=float, default=1e-3, help="Adam learning rate at batch b"
+    )
+    demo.add_argument(
+        "--tolerance", type=float, default=1e-4, help="max abs param diff"
+    )
+    demo.add_argument("--out", default=".", help="folder for the PNG (default: cwd)")
+    demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmarks of a source checkout",
+        description="Runs benchmarks/bench_*.py and prints their Markdown tables.",
+    )
+    bench.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    bench.add_argument("--out", help="also write the tables to this Markdown file")
+    bench.add_argument(
+        "--benchmarks-dir",
+        type=Path,
+        default=BENCHMARKS_DIR,
+        help=f"where the bench_*.py scripts are (default: {BENCHMARKS_DIR})",
+    )
+    return parser
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_optax_accum_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "run", None)):
+        raise AttributeError(f"{path} has no `run(quick: bool) -> str` function")
+    return module
+
+
+def run_bench(quick: bool, out: str | None, benchmarks_dir: Path) -> int:
+    scripts = (
+        sorted(benchmarks_dir.glob("bench_*.py")) if benchmarks_dir.is_dir() else []
+    )
+    if not scripts:
+        print(
+            f"error: no benchmarks/bench_*.py found in {benchmarks_dir}. The "
+            "benchmarks ship with the source, not the package: run `bench` from "
+            "a clone installed with `pip install -e .`, or pass --benchmarks-dir.",
+            file=sys.stderr,
+        )
+        return 2
+    sections = []
+    for path in scripts:
+        print(f"Running {path.name}{' (quick)' if quick else ''} ...", file=sys.stderr)
+        table = _load(path).run(quick=quick).strip()
+        section = f"### {path.stem}\n\n{table}\n"
+        print(section, flush=True)
+        sections.append(section)
+    if out is not None:
+        Path(out).write_text("\n".join(sections))
+        print(f"Wrote the tables to {Path(out).resolve()}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    import optax_accum
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from ._demo import run_demo
 
-    print(f"optax_accum {optax_accum.__version__}: the demo is not built yet.")
-    return 0
+        return run_demo(
+            k=args.k,
+            b=args.b,
+            steps=args.steps,
+            seed=args.seed,
+            learning_rate=args.lr,
+            out=args.out,
+            tolerance=args.tolerance,
+            progress=not args.no_progress,
+        )
+    return run_bench(args.quick, args.out, args.benchmarks_dir)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -65,7 +66,7 @@ def skip_large_updates(max_norm: jax.typing.ArrayLike) -> Any:
       >>> bool(fn({"w": jnp.array([3.0, 4.0])}, 0, None)[0])
       True
     """
-    if jnp.ndim(max_norm) != 0 or not float(max_norm) > 0:
+    if np.ndim(max_norm) != 0 or not float(max_norm) > 0:
         raise ValueError(f"`max_norm` must be a positive scalar, got {max_norm!r}.")
 
     def skip_fn(grads, step, params):

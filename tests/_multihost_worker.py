@@ -106,7 +106,9 @@ def main(out_dir: str) -> None:
         return optax.apply_updates(p, u), s
 
     for u in range(UPDATES):
-        ref, ref_state = ref_step(ref, ref_state, xs[update_rows(u)], ys[update_rows(u)])
+        ref, ref_state = ref_step(
+            ref, ref_state, xs[update_rows(u)], ys[update_rows(u)]
+        )
     results = {"reference": ref}
     counts = {}
 
@@ -151,10 +153,14 @@ def main(out_dir: str) -> None:
         p = replicate(params0)
         s = jax.jit(tx.init)(p)
         for u in range(UPDATES):
-            p, s = mb_step(p, s, own_rows(xs[update_rows(u)]), own_rows(ys[update_rows(u)]))
+            p, s = mb_step(
+                p, s, own_rows(xs[update_rows(u)]), own_rows(ys[update_rows(u)])
+            )
         results["microbatch"] = p
         counts["microbatch"] = _all_reduces(
-            mb_step.lower(p, s, own_rows(xs[update_rows(0)]), own_rows(ys[update_rows(0)])).compile()
+            mb_step.lower(
+                p, s, own_rows(xs[update_rows(0)]), own_rows(ys[update_rows(0)])
+            ).compile()
         )
 
     # (3) the Flax nnx train step (microbatch inside), same MLP and data.
@@ -190,10 +196,10 @@ def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
 
     with jax.set_mesh(mesh):
         model = MLP(nnx.Rngs(0))
-        model.l1.kernel.value = replicate(params0["w1"])
-        model.l1.bias.value = replicate(params0["b1"])
-        model.l2.kernel.value = replicate(params0["w2"])
-        model.l2.bias.value = replicate(params0["b2"])
+        model.l1.kernel.set_value(replicate(params0["w1"]))
+        model.l1.bias.set_value(replicate(params0["b1"]))
+        model.l2.kernel.set_value(replicate(params0["w2"]))
+        model.l2.bias.set_value(replicate(params0["b2"]))
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
         # Host-created leaves (Adam's count) become replicated global arrays.
         opt_state = nnx.state(optimizer)
@@ -213,10 +219,10 @@ def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
             r = update_rows(u)
             step(model, optimizer, own_rows(xs[r]), own_rows(ys[r]))
     return {
-        "w1": model.l1.kernel.value,
-        "b1": model.l1.bias.value,
-        "w2": model.l2.kernel.value,
-        "b2": model.l2.bias.value,
+        "w1": model.l1.kernel.get_value(),
+        "b1": model.l1.bias.get_value(),
+        "w2": model.l2.kernel.get_value(),
+        "b2": model.l2.bias.get_value(),
     }
 
 
@@ -229,19 +235,26 @@ def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
     tx = optax.adam(LR)
 
     def ms_step(p, s, x, y):
-        g = jax.lax.pmean(jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d")
+        g = jax.lax.pmean(
+            jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d"
+        )
         upd, s = ms.update(g, s, p)
         return optax.apply_updates(p, upd), s
 
     def dp_step(p, s, x, y):
-        g = jax.lax.pmean(jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d")
+        g = jax.lax.pmean(
+            jax.grad(loss)(jax.lax.pcast(p, "d", to="varying"), (x, y)), "d"
+        )
         upd, s = tx.update(g, s, p)
         return optax.apply_updates(p, upd), s
 
     p = jax.eval_shape(lambda: params0)
     x, y = own_rows(xs[:MICRO]), own_rows(ys[:MICRO])
     out = {}
-    for name, fn, t in (("multisteps_pmean", ms_step, ms), ("data_parallel", dp_step, tx)):
+    for name, fn, t in (
+        ("multisteps_pmean", ms_step, ms),
+        ("data_parallel", dp_step, tx),
+    ):
         s = jax.eval_shape(t.init, params0)
         sm = jax.jit(
             jax.shard_map(
@@ -252,12 +265,55 @@ def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
     return out
 
 
-_ALL_REDUCE = re.compile(r"=\s*\S.*?\ball-reduce(?:-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_CALLEE = re.compile(
+    r"\b(branch_computations|true_computation|false_computation|body|condition|calls)"
+    r"=\{?([^}\s,]+(?:, %[^}\s,]+)*)\}?"
+)
+_ALL_REDUCE = re.compile(r"= (.*?) all-reduce(?:-start)?\(")
+_ARRAY = re.compile(r"(pred|[a-z]+)(\d*)\[([\d,]*)\]")
 
 
-def _all_reduces(compiled) -> int:
-    """All-reduce instructions in the compiled HLO (in any branch or loop)."""
-    return sum(bool(_ALL_REDUCE.search(line)) for line in compiled.as_text().splitlines())
+def _all_reduces(compiled) -> dict[str, int]:
+    """All-reduces in compiled HLO: where they run and the bytes they reduce.
+
+    ``every_call`` ones run on every call, ``in_cond`` ones only when a
+    ``lax.cond`` branch is taken (the boundary), ``in_loop`` ones once per
+    loop iteration. ``bytes`` is the payload of one call's worth of each kind.
+    """
+    comps: dict[str, list[str]] = {}
+    entry = current = None
+    for line in compiled.as_text().splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            comps[current].append(line)
+    out = {"every_call": 0, "in_cond": 0, "in_loop": 0}
+    out.update({f"{k}_bytes": 0 for k in list(out)})
+
+    def visit(name: str, where: str) -> None:
+        for line in comps.get(name, []):
+            if m := _ALL_REDUCE.search(line):
+                size = 0
+                for kind, bits, dims in _ARRAY.findall(m.group(1)):
+                    n = int(np.prod([int(d) for d in dims.split(",") if d]))
+                    size += n * (1 if kind == "pred" else int(bits or 8) // 8)
+                out[where] += 1
+                out[f"{where}_bytes"] += size
+            for kind, names in _CALLEE.findall(line):
+                inner = where
+                if kind in ("body", "condition") and where == "every_call":
+                    inner = "in_loop"
+                elif kind != "calls" and kind != "body" and kind != "condition":
+                    inner = "in_cond" if where == "every_call" else where
+                for callee in names.split(", "):
+                    visit(callee.lstrip("%"), inner)
+
+    visit(entry, "every_call")
+    return out
 
 
 if __name__ == "__main__":
