@@ -17,14 +17,24 @@ from pathlib import Path
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer, got {text!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {value}"
+            )
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "--steps", type=_positive_int, default=200, help="updates per run"
     )
     demo.add_argument(
-        "--seed", type=int, default=0, help="data order and initialisation"
+        "--seed", type=_int_at_least(0), default=0, help="data order and initialisation"
     )
     demo.add_argument(
         "--lr", type=float, default=1e-3, help="Adam learning rate at batch b"

@@ -87,7 +87,14 @@ def test_demo_exits_non_zero_on_mismatch(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["demo", "-k", "0"], ["demo", "-b", "x"], ["demo", "--steps", "-3"], []]
+    "argv",
+    [
+        ["demo", "-k", "0"],
+        ["demo", "-b", "x"],
+        ["demo", "--steps", "-3"],
+        ["demo", "--seed", "-1"],
+        [],
+    ],
 )
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as info:

@@ -294,6 +294,8 @@ def test_errors_at_construction():
         optax_accum.microbatch(vg, 2, batch_argnums=1, rng_argnums=1)
     with pytest.raises(TypeError, match=r"weight_fn.*3"):
         optax_accum.microbatch(vg, 2, weight_fn=3)
+    with pytest.raises(ValueError, match=r"batch_argnums.*non-negative, got -1"):
+        optax_accum.microbatch(vg, 2, batch_argnums=-1)
     with pytest.raises(TypeError, match=r"fun.*must be callable"):
         optax_accum.microbatch(None, 2)
 

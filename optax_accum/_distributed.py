@@ -1,0 +1,274 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Multi-process helpers: bounded-time failure settings and a local launcher.
+
+This module owns `initialize_distributed`, which starts `jax.distributed` so
+that a dead or stuck peer makes every other process fail within a bounded
+time instead of hanging, and `launch_local`, which runs N copies of a script
+as the processes of one JAX job on this machine (loopback, CPU devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+# What `launch_local` tells each process; `initialize_distributed` reads them.
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # also read by jax itself
+ENV_NUM_PROCESSES = "OPTAX_ACCUM_NUM_PROCESSES"
+ENV_PROCESS_ID = "OPTAX_ACCUM_PROCESS_ID"
+ENV_CPU_DEVICES = "OPTAX_ACCUM_CPU_DEVICES"
+
+# XLA:CPU collective timeouts. Without them a process waiting in a gloo
+# all-reduce for a peer that is alive but never joins waits for ever (the
+# peer keeps heart-beating, so the coordination service sees nothing wrong).
+_CPU_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_timeout_seconds",
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else int(value)
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    failure_timeout_s: int = 300,
+    **kwargs: Any,
+) -> None:
+    """Calls `jax.distributed.initialize` with a bounded failure time.
+
+    With the defaults of `jax.distributed.initialize`, a process whose peer
+    hangs without dying can wait in a CPU collective for ever. This sets, to
+    ``failure_timeout_s``:
+
+    - ``heartbeat_timeout_seconds``: a peer that dies or freezes (no
+      heartbeats) makes every other process abort, with "Terminating process
+      because the JAX distributed service detected fatal errors";
+    - ``shutdown_timeout_seconds``: how long a failing process waits for the
+      others at exit;
+    - the XLA:CPU collective timeouts (in ``XLA_FLAGS``, unless already set
+      there): a gloo collective that a live peer never joins raises
+      ``JaxRuntimeError`` ("Gloo all-reduce failed: ... Timed out").
+
+    A peer whose process is gone closes its sockets, so a gloo collective
+    fails at once ("Connection closed by peer"). ``failure_timeout_s`` must
+    exceed the longest time one process may legitimately wait in a collective
+    for another: a slower compile, a checkpoint, data loading.
+
+    Arguments left as ``None`` are read from the variables that `launch_local`
+    sets, and otherwise auto-detected by JAX (Cloud TPU, SLURM, Open MPI,
+    Kubernetes). Under `launch_local` this also sets ``jax_num_cpu_devices``.
+    Call it before anything touches a JAX backend.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: the number of processes in the job.
+      process_id: this process's index, in ``[0, num_processes)``.
+      failure_timeout_s: seconds after which a dead or stuck peer makes the
+        other processes fail.
+      **kwargs: passed to `jax.distributed.initialize`, e.g.
+        ``initialization_timeout`` or ``local_device_ids``.
+
+    Raises:
+      RuntimeError: if a JAX backend is already initialised.
+      ValueError: for a ``failure_timeout_s`` below 1.
+    """
+    from jax._src import xla_bridge
+
+    if isinstance(failure_timeout_s, bool) or int(failure_timeout_s) < 1:
+        raise ValueError(
+            f"`failure_timeout_s` must be a positive int, got {failure_timeout_s!r}."
+        )
+    timeout = int(failure_timeout_s)
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "`initialize_distributed` must run before JAX initialises a backend "
+            "(before any array is created or any `jax.devices()` call)."
+        )
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    cpu_devices = _env_int(ENV_CPU_DEVICES)
+    if cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = [f"{f}={timeout}" for f in _CPU_TIMEOUT_FLAGS if f not in flags]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+    kwargs.setdefault("heartbeat_timeout_seconds", timeout)
+    kwargs.setdefault("shutdown_timeout_seconds", timeout)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+
+
+class LocalRun(NamedTuple):
+    """What `launch_local` returns.
+
+    Attributes:
+      returncodes: each process's exit status (negative: killed by that
+        signal), in process order.
+      outputs: each process's stdout and stderr, interleaved.
+      exit_times: seconds from the launch to each process's exit.
+      killed: the processes that `launch_local` had to kill.
+    """
+
+    returncodes: list[int]
+    outputs: list[str]
+    exit_times: list[float]
+    killed: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+    def report(self) -> str:
+        """Every process's status and output, for an error message."""
+        parts = []
+        for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs, strict=True)):
+            how = "killed by the launcher" if i in self.killed else f"exit status {rc}"
+            parts.append(f"----- process {i}: {how} -----\n{out}")
+        return "\n".join(parts)
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now (another program may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(
+    argv: Sequence[str],
+    num_processes: int,
+    *,
+    cpu_devices_per_process: int | None = None,
+    timeout_s: float = 600.0,
+    grace_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    echo: bool = True,
+) -> LocalRun:
+    """Runs ``num_processes`` copies of a command as one JAX job on this host.
+
+    Each copy is told its place through environment variables that
+    `initialize_distributed` reads: a coordinator on a free loopback port, the
+    number of processes and its index (and, with ``cpu_devices_per_process``,
+    how many CPU devices to create). The launcher waits for all of them. Once
+    one fails, the others get ``grace_s`` seconds to fail on their own (which
+    `initialize_distributed`'s timeouts guarantee); then they, and anything
+    still running at ``timeout_s``, are killed with SIGKILL (JAX catches
+    SIGTERM for its preemption service), so no process outlives the call.
+
+    Args:
+      argv: the command, e.g. ``[sys.executable, "train.py", "--steps", "8"]``.
+      num_processes: how many processes, >= 1.
+      cpu_devices_per_process: CPU devices per process, or ``None`` to keep
+        JAX's default.
+      timeout_s: limit for the whole job, in seconds.
+      grace_s: how long the others may run on after one process failed.
+      env: extra environment variables for every process.
+      echo: print each line of output as it arrives, prefixed with ``[i]``.
+
+    Returns:
+      A `LocalRun`.
+
+    Raises:
+      ValueError: for ``num_processes`` < 1 or an empty ``argv``.
+    """
+    if isinstance(num_processes, bool) or int(num_processes) < 1:
+        raise ValueError(f"`num_processes` must be >= 1, got {num_processes!r}.")
+    if not argv:
+        raise ValueError("`argv` must name a command.")
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    outputs: list[list[str]] = [[] for _ in range(num_processes)]
+    lock = threading.Lock()
+
+    def pump(i: int, stream: Any) -> None:
+        for line in iter(stream.readline, ""):
+            outputs[i].append(line)
+            if echo:
+                with lock:
+                    sys.stdout.write(f"[{i}] {line}")
+                    sys.stdout.flush()
+        stream.close()
+
+    threads = []
+    exit_times: list[float | None] = [None] * num_processes
+    killed: list[int] = []
+    try:
+        for i in range(num_processes):
+            child_env = dict(os.environ)
+            child_env.update(env or {})
+            child_env.update(
+                {
+                    ENV_COORDINATOR: address,
+                    ENV_NUM_PROCESSES: str(num_processes),
+                    ENV_PROCESS_ID: str(i),
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            if cpu_devices_per_process is not None:
+                child_env[ENV_CPU_DEVICES] = str(cpu_devices_per_process)
+            proc = subprocess.Popen(
+                list(argv),
+                env=child_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,  # its own group, to kill its children too
+            )
+            procs.append(proc)
+            thread = threading.Thread(target=pump, args=(i, proc.stdout), daemon=True)
+            thread.start()
+            threads.append(thread)
+
+        deadline = start + timeout_s
+        while True:
+            now = time.monotonic()
+            for i, proc in enumerate(procs):
+                if exit_times[i] is None and proc.poll() is not None:
+                    exit_times[i] = now - start
+                    if proc.returncode != 0:
+                        deadline = min(deadline, now + grace_s)
+            if all(t is not None for t in exit_times) or now >= deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for i, proc in enumerate(procs):
+            if proc.poll() is None:
+                killed.append(i)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for i, proc in enumerate(procs):
+            proc.wait()
+            if exit_times[i] is None:
+                exit_times[i] = time.monotonic() - start
+        for thread in threads:
+            thread.join(timeout=5)
+
+    return LocalRun(
+        returncodes=[p.returncode for p in procs],
+        outputs=["".join(o) for o in outputs],
+        exit_times=[float(t) for t in exit_times],
+        killed=killed,
+    )

@@ -1,0 +1,579 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`microbatch`: k micro-batches of a value-and-grad function in one `lax.scan`.
+
+This module owns the fused path: the copy-free split of the batch, the scan
+that accumulates values and gradients, the per-micro-batch PRNG keys, and the
+device-local loop that keeps gradients unreduced until one all-reduce after it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._validation import (
+    canonical_accumulator_dtype,
+    check_positive_int,
+    check_reduction,
+)
+
+MeshAxes = str | tuple[str, ...]
+
+
+class WeightFn(Protocol):
+    """Weights one micro-batch: ``weight_fn(*micro_batch_args) -> scalar``.
+
+    Called with the micro-batch slices of the ``batch_argnums`` arguments, in
+    that order. Return, for example, the number of valid tokens.
+    """
+
+    def __call__(self, *micro_batch_args: Any) -> jax.typing.ArrayLike: ...
+
+
+def _argnums(value: Any, name: str) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be an int or a tuple of ints, got {value!r}."
+        ) from None
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise TypeError(f"`{name}` must be an int or a tuple of ints, got {value!r}.")
+    if any(i < 0 for i in items):
+        raise ValueError(f"`{name}` must be non-negative, got {value!r}.")
+    if len(set(items)) != len(items):
+        raise ValueError(f"`{name}` has repeated entries: {value!r}.")
+    return items
+
+
+def _mesh_axes(value: Any) -> MeshAxes | None:
+    if value is None or value == "auto":
+        return value
+    axes = (value,) if isinstance(value, str) else tuple(value)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(
+            '`mesh_axes` must be "auto", None, a mesh axis name or a tuple of '
+            f"them, got {value!r}."
+        )
+    return axes
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _explicit_batch_axes(batch: list, others: list) -> tuple[Any, tuple] | None:
+    """The mesh and Explicit mesh axes that shard axis 0 of every batch leaf."""
+    found = set()
+    mesh = None
+    for x in batch:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+            return None
+        axes = _spec_axes(sharding.spec[0] if len(sharding.spec) else None)
+        types = dict(
+            zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True)
+        )
+        if not axes or any(types[a] != AxisType.Explicit for a in axes):
+            return None
+        found.add(axes)
+        mesh = sharding.mesh
+    if len(found) != 1:
+        return None
+    (axes,) = found
+    for x in others:
+        spec = getattr(jax.typeof(x).sharding, "spec", ())
+        if any(set(_spec_axes(e)) & set(axes) for e in spec):
+            return None  # e.g. FSDP parameters: leave the layout to the compiler.
+    return mesh, axes
+
+
+def _to_varying(tree: Any, axes: tuple) -> Any:
+    """pcast leaves to varying, so their cotangents stay local (no psum)."""
+
+    def cast(x):
+        if not _is_array(x):
+            return x
+        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array)
+
+
+def microbatch(
+    fun: Callable[..., Any],
+    num_micro_batches: int,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    reduction: str = "mean",
+    weight_fn: WeightFn | None = None,
+    accumulator_dtype: Any = None,
+    axis_name: Any = None,
+    rng_argnums: int | Sequence[int] = (),
+    mesh_axes: MeshAxes | None = "auto",
+) -> Callable[..., Any]:
+    r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
+
+    ``fun(params, batch, ...)`` returns ``(value, grads)``, or
+    ``((value, aux), grads)`` with ``has_aux``; ``jax.value_and_grad(loss)`` is
+    the typical ``fun``. The result has ``fun``'s signature. Every leaf of the
+    ``batch_argnums`` arguments is split along axis 0 into ``num_micro_batches``
+    micro-batches ``i = 0..k-1``; micro-batch ``i`` holds rows ``i, i+k,
+    i+2k, ...``. That split is a free reshape ``(B, ...) -> (B/k, k, ...)``, so
+    the batch is never copied, and each micro-batch keeps the batch's sharding
+    (its rows are spread over all devices). It returns
+
+    .. math::
+
+        v = \frac{\sum_i w_i v_i}{\sum_i w_i}, \quad
+        g = \frac{\sum_i w_i g_i}{\sum_i w_i} \quad (\text{mean}), \qquad
+        v = \sum_i w_i v_i, \quad g = \sum_i w_i g_i \quad (\text{sum}),
+
+    with ``w_i = weight_fn(*micro_batch_args)`` or 1. With the number of valid
+    tokens as weight and a token-mean loss, the mean is the full-batch token
+    mean exactly. ``aux`` comes back stacked along a new leading axis of length
+    ``k``. With ``k = 1`` there is no loop: ``fun``'s result comes back as is
+    (``aux`` gains its leading axis of length 1).
+
+    **PRNG keys.** The arguments in ``rng_argnums`` (a key, or a pytree of keys
+    such as Flax's ``{"dropout": key}``) reach micro-batch ``i`` as
+    ``jax.random.fold_in(key, i)``, so each micro-batch draws its own dropout.
+
+    **Sharding.** Under ``jit`` with an Explicit mesh (``jax.make_mesh``'s
+    default) and a batch sharded along axis 0 (``mesh_axes="auto"``), the loop
+    runs per device inside ``jax.shard_map``: gradients stay local during the
+    loop and are all-reduced once after it. ``fun`` then sees the device's part
+    of each micro-batch, a smaller batch, so it must be a mean over rows (or a
+    ``w``-weighted mean with ``weight_fn`` a count, which adds over rows);
+    anything that couples rows (BatchNorm statistics) sees the device's rows
+    only, and keys are further folded with the device index. ``aux`` leaves
+    with the micro-batch's rows on axis 0 are gathered; other floating leaves
+    are (weighted) averaged over devices, integer leaves summed. With an Auto
+    mesh the sharding is not visible at trace time: pass the mesh axes, e.g.
+    ``mesh_axes="data"`` (under ``jax.set_mesh``). ``mesh_axes=None`` runs
+    ``fun`` on whole micro-batches and leaves communication to the compiler
+    (one all-reduce per micro-batch). Inside ``shard_map`` or ``pmap``, pass
+    ``axis_name``: each device accumulates its own micro-batches and the
+    weighted reduction over devices runs once, after the loop.
+
+    Args:
+      fun: a value-and-grad function, e.g. ``jax.value_and_grad(loss)``.
+      num_micro_batches: ``k``, an int >= 1; it must divide the batch size.
+      batch_argnums: positional argument(s) of ``fun`` holding the batch.
+      has_aux: whether ``fun`` returns ``((value, aux), grads)``.
+      reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
+      weight_fn: optional `WeightFn`; weights are float32 scalars.
+      accumulator_dtype: floating dtype of the gradient accumulator, or
+        ``None`` for each gradient's dtype (values accumulate in at least
+        float32). Results come back in ``fun``'s dtypes.
+      axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or axes) to
+        reduce over once, after the loop.
+      rng_argnums: positional argument(s) of ``fun`` holding PRNG keys.
+      mesh_axes: ``"auto"``, ``None`` or the mesh axes the batch is sharded
+        over (see above).
+
+    Returns:
+      A function with ``fun``'s signature.
+
+    Raises:
+      ValueError: at construction for ``num_micro_batches`` < 1, an unknown
+        ``reduction`` or conflicting arguments; at trace time for a batch size
+        not divisible by ``num_micro_batches``, batch leaves with different
+        leading sizes, or a non-scalar weight.
+      TypeError: for a non-integer ``num_micro_batches``, a non-float
+        ``accumulator_dtype`` or a non-callable ``fun`` or ``weight_fn``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> loss = lambda w, x: jnp.mean((x * w) ** 2)
+      >>> fun = optax_accum.microbatch(jax.value_and_grad(loss), 4)
+      >>> x = jnp.arange(8.0)
+      >>> value, grad = fun(jnp.float32(1.0), x)
+      >>> print(value, grad)
+      17.5 35.0
+      >>> print(*jax.value_and_grad(loss)(jnp.float32(1.0), x))  # full batch
+      17.5 35.0
+    """
+    return _build(
+        fun,
+        num_micro_batches,
+        batch_argnums=batch_argnums,
+        has_aux=has_aux,
+        reduction=reduction,
+        weight_fn=weight_fn,
+        accumulator_dtype=accumulator_dtype,
+        axis_name=axis_name,
+        rng_argnums=rng_argnums,
+        mesh_axes=mesh_axes,
+        stateful=False,
+    )
+
+
+def microbatch_with_state(fun: Callable[..., Any], num_micro_batches: int, **kwargs):
+    """`microbatch` that also threads a ``state`` through the micro-batches.
+
+    ``fun(*args, state=state)`` returns ``(out, new_state)``; micro-batch ``i``
+    sees the state micro-batch ``i - 1`` returned, as k small steps would (the
+    Flax helpers thread BatchNorm statistics and Rngs counters this way). The
+    result is called as ``f(*args, state=state)`` and returns
+    ``(out, final_state)``. In the device-local sharded loop, each device
+    threads its own state; floating leaves are then averaged over devices.
+    Keyword arguments are `microbatch`'s.
+    """
+    return _build(fun, num_micro_batches, stateful=True, **kwargs)
+
+
+def _build(
+    fun: Callable[..., Any],
+    num_micro_batches: int,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    reduction: str = "mean",
+    weight_fn: WeightFn | None = None,
+    accumulator_dtype: Any = None,
+    axis_name: Any = None,
+    rng_argnums: int | Sequence[int] = (),
+    mesh_axes: MeshAxes | None = "auto",
+    stateful: bool,
+) -> Callable[..., Any]:
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+    k = check_positive_int(num_micro_batches, "num_micro_batches")
+    check_reduction(reduction)
+    acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
+    batch_idx = _argnums(batch_argnums, "batch_argnums")
+    rng_idx = _argnums(rng_argnums, "rng_argnums")
+    if not batch_idx:
+        raise ValueError("`batch_argnums` must name at least one argument.")
+    if set(batch_idx) & set(rng_idx):
+        raise ValueError(
+            f"`batch_argnums` ({batch_argnums!r}) and `rng_argnums` "
+            f"({rng_argnums!r}) must not overlap."
+        )
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(f"`weight_fn` must be callable or None, got {weight_fn!r}.")
+    axes_mode = _mesh_axes(mesh_axes)
+    if axis_name is not None and isinstance(axes_mode, tuple):
+        raise ValueError(
+            "Pass either `axis_name` (inside shard_map/pmap) or `mesh_axes`, "
+            f"not both: got axis_name={axis_name!r}, mesh_axes={mesh_axes!r}."
+        )
+    user_axes = None if axis_name is None else _spec_axes(axis_name)
+    mean = reduction == "mean"
+    # Weighted means use a running mean: it stays at the gradients' scale,
+    # so fp16 accumulators do not overflow with token-count weights.
+    weighted = weight_fn is not None
+
+    def split_batch(args: list) -> tuple[list, int]:
+        n = len(args)
+        for i in (*batch_idx, *rng_idx):
+            if i >= n:
+                raise ValueError(
+                    f"argument index {i} (from `batch_argnums` or `rng_argnums`) "
+                    f"is out of range for {n} positional arguments."
+                )
+        sizes = {}
+        for i in batch_idx:
+            for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
+                if jnp.ndim(x) == 0:
+                    raise ValueError(
+                        f"batch argument {i} has a scalar leaf at "
+                        f"{jax.tree_util.keystr(path)}: every batch leaf needs "
+                        "a leading batch axis."
+                    )
+                sizes[f"argument {i}{jax.tree_util.keystr(path)}"] = jnp.shape(x)[0]
+        if not sizes:
+            raise ValueError(f"the batch arguments {batch_idx} have no array leaves.")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"batch leaves must share their leading size, got {sizes}."
+            )
+        size = next(iter(sizes.values()))
+        if size % k:
+            raise ValueError(
+                f"the batch size {size} is not divisible by `num_micro_batches`={k}."
+            )
+        return args, size
+
+    def weight_of(margs: list) -> jax.Array:
+        w = weight_fn(*(margs[i] for i in batch_idx))
+        if jnp.ndim(w) != 0:
+            raise ValueError(
+                f"`weight_fn` must return a scalar, got shape {jnp.shape(w)}."
+            )
+        return jnp.asarray(w, jnp.float32)
+
+    def call(args: list, kwargs: dict, state: Any) -> tuple:
+        if stateful:
+            out, state = fun(*args, state=state, **kwargs)
+        else:
+            out = fun(*args, **kwargs)
+        (value, aux), grads = out if has_aux else ((out[0], None), out[1])
+        return value, grads, aux, state
+
+    def run(args, kwargs, axes: tuple | None, unit: float, local: bool, state):
+        """The scan. ``axes``: mesh axes to reduce over after it, if any."""
+        views = {
+            i: jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]), args[i]
+            )
+            for i in batch_idx
+        }
+        device = lax.axis_index(axes) if local else None
+
+        def micro_args(i: jax.Array) -> list:
+            margs = list(args)
+            for j in batch_idx:
+                margs[j] = jax.tree.map(
+                    lambda v: lax.dynamic_index_in_dim(v, i, 1, keepdims=False),
+                    views[j],
+                )
+            for j in rng_idx:
+
+                def fold(key):
+                    key = jax.random.fold_in(key, i)
+                    return key if device is None else jax.random.fold_in(key, device)
+
+                margs[j] = jax.tree.map(fold, args[j])
+            return margs
+
+        def one(i: jax.Array, state: Any) -> tuple:
+            margs = micro_args(i)
+            value, grads, aux, state = call(margs, kwargs, state)
+            w = weight_of(margs) if weighted else jnp.float32(unit)
+            return value, grads, aux, w, state
+
+        shapes = jax.eval_shape(one, jnp.int32(0), state)
+        v_shape, g_shape = shapes[0], shapes[1]
+
+        def zeros(s, dtype):
+            z = jnp.zeros(s.shape, dtype)
+            vary = tuple(getattr(s.manual_axis_type, "varying", ()) or ())
+            return lax.pcast(z, vary, to="varying") if vary else z
+
+        def v_dtype(s):
+            return jnp.promote_types(s.dtype, jnp.float32)
+
+        def g_dtype(s):
+            return s.dtype if acc_dtype is None else acc_dtype
+
+        init = (
+            jax.tree.map(lambda s: zeros(s, v_dtype(s)), v_shape),
+            jax.tree.map(lambda s: zeros(s, g_dtype(s)), g_shape),
+            zeros(shapes[3], jnp.float32),
+            state,
+        )
+
+        def body(carry, i):
+            acc_v, acc_g, w_sum, state = carry
+            value, grads, aux, w, state = one(i, state)
+            w_new = w_sum + w
+            coef = jnp.where(w_new > 0, w / jnp.where(w_new > 0, w_new, 1.0), 0.0)
+
+            def add(a, x):
+                x = x.astype(a.dtype)
+                if not weighted:
+                    return a + x
+                if mean:
+                    return a + coef.astype(a.dtype) * (x - a)
+                return a + w.astype(a.dtype) * x
+
+            acc_v = jax.tree.map(add, acc_v, value)
+            acc_g = jax.tree.map(add, acc_g, grads)
+            return (acc_v, acc_g, w_new, state), (aux, w)
+
+        (acc_v, acc_g, w_sum, state), (aux, ws) = lax.scan(
+            body, init, jnp.arange(k, dtype=jnp.int32)
+        )
+
+        if axes is None:
+            if not weighted and mean:
+                acc_v, acc_g = jax.tree.map(lambda a: a / k, (acc_v, acc_g))
+        elif weighted and mean:
+            total = lax.psum(w_sum, axes)
+            share = jnp.where(total > 0, w_sum / jnp.where(total > 0, total, 1.0), 0.0)
+            acc_v, acc_g = lax.psum(
+                jax.tree.map(lambda a: share.astype(a.dtype) * a, (acc_v, acc_g)), axes
+            )
+        else:
+            acc_v, acc_g = lax.psum((acc_v, acc_g), axes)
+            if not weighted:
+                scale = 1.0 / (k * lax.psum(1, axes)) if mean else unit
+                if scale != 1.0:
+                    acc_v, acc_g = jax.tree.map(lambda a: a * scale, (acc_v, acc_g))
+
+        value = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_v, v_shape)
+        grads = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_g, g_shape)
+        return value, grads, aux, ws, state
+
+    def pack(value, grads, aux, state):
+        out = ((value, aux), grads) if has_aux else (value, grads)
+        return (out, state) if stateful else out
+
+    def single(args: list, kwargs: dict, state: Any):
+        """k = 1: no loop; with ``axis_name`` the one weighted reduction."""
+        value, grads, aux, state = call(args, kwargs, state)
+        aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
+        if user_axes is not None:
+            w = weight_of(args) if weighted else jnp.float32(1.0)
+            if mean:
+                total = lax.psum(w, user_axes)
+                w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
+
+            def red(x):
+                wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+                return lax.psum(w * wide, user_axes).astype(x.dtype)
+
+            value, grads = jax.tree.map(red, (value, grads))
+        return pack(value, grads, aux, state)
+
+    def device_local(args, kwargs, state, mesh: Any, axes: tuple, size: int):
+        """Runs the loop per device in shard_map; one psum after it."""
+        n_dev = 1
+        for a in axes:
+            n_dev *= mesh.shape[a]
+        if (size // n_dev) % k:
+            raise ValueError(
+                f"each micro-batch must be spread over the {n_dev} devices of "
+                f"mesh axes {axes}: the micro-batch size {size // k} (batch "
+                f"{size} / `num_micro_batches`={k}) is not divisible by {n_dev}."
+            )
+        flat, treedef = jax.tree.flatten((args, kwargs, state))
+        flags = [
+            jax.tree.map(lambda _, b=i in batch_idx: b, a) for i, a in enumerate(args)
+        ]
+        no = jax.tree.map(lambda _: False, (kwargs, state))
+        is_batch = jax.tree.leaves((flags, *no))
+        dyn = [i for i, x in enumerate(flat) if is_batch[i] or _is_array(x)]
+        specs = tuple(P(axes) if is_batch[i] else P() for i in dyn)
+
+        aux_specs = None
+        if has_aux:
+            # Global shapes tell which aux leaves carry the micro-batch's rows.
+            def global_aux():
+                margs = list(args)
+                for j in batch_idx:
+                    margs[j] = jax.tree.map(
+                        lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, 0],
+                        args[j],
+                    )
+                return call(margs, kwargs, state)[2]
+
+            aux_shapes = jax.eval_shape(global_aux)
+            rows = size // k
+            aux_specs = jax.tree.map(
+                lambda s: P(None, axes) if s.ndim and s.shape[0] == rows else P(),
+                aux_shapes,
+            )
+
+        def inner(*leaves):
+            full = list(flat)
+            for i, x in zip(dyn, leaves, strict=True):
+                full[i] = x if is_batch[i] else _to_varying(x, axes)
+            largs, lkwargs, lstate = jax.tree.unflatten(treedef, full)
+            value, grads, aux, ws, lstate = run(
+                list(largs), lkwargs, axes, 1.0 / n_dev, True, lstate
+            )
+
+            def red_state(new, old):
+                if jnp.issubdtype(new.dtype, jnp.inexact):
+                    return lax.pmean(new, axes)
+                if jnp.issubdtype(new.dtype, jax.dtypes.extended):
+                    return old  # PRNG keys: the counters that advance are ints.
+                if jnp.issubdtype(new.dtype, jnp.bool_):
+                    return lax.pmax(new.astype(jnp.int32), axes) > 0
+                return lax.pmax(new, axes)
+
+            lstate = jax.tree.map(red_state, lstate, state_in(leaves))
+            if has_aux:
+
+                def red(a, spec):
+                    if spec != P():
+                        return a
+                    if jnp.issubdtype(a.dtype, jnp.bool_):
+                        return lax.psum(a.astype(jnp.int32), axes) > 0
+                    if not jnp.issubdtype(a.dtype, jnp.inexact):
+                        return lax.psum(a, axes)
+                    shape = ws.shape + (1,) * (a.ndim - 1)
+                    wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+                    num = lax.psum(ws.reshape(shape) * wide, axes)
+                    den = lax.psum(ws, axes).reshape(shape)
+                    safe = jnp.where(den > 0, den, 1.0)
+                    return jnp.where(den > 0, num / safe, 0.0).astype(a.dtype)
+
+                aux = jax.tree.map(red, aux, aux_specs)
+            return value, grads, aux, lstate
+
+        def state_in(leaves):
+            full = list(flat)
+            for i, x in zip(dyn, leaves, strict=True):
+                full[i] = x
+            return jax.tree.unflatten(treedef, full)[2]
+
+        out_specs = (P(), P(), aux_specs, P())
+        mapped = jax.shard_map(
+            inner, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(axes)
+        )
+        value, grads, aux, state = mapped(*(flat[i] for i in dyn))
+        return pack(value, grads, aux, state)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state = kwargs.pop("state", None) if stateful else None
+        args, size = split_batch(list(args))
+        if user_axes is not None:
+            # Invariant inputs would get their cotangents psum-ed inside `fun`.
+            args = [
+                a if i in batch_idx else _to_varying(a, user_axes)
+                for i, a in enumerate(args)
+            ]
+            kwargs, state = _to_varying((kwargs, state), user_axes)
+        if k == 1:
+            return single(args, kwargs, state)
+        if user_axes is not None:
+            value, grads, aux, _, state = run(
+                args, kwargs, user_axes, 1.0, False, state
+            )
+            return pack(value, grads, aux, state)
+        if axes_mode is not None:
+            batch = [x for i in batch_idx for x in jax.tree.leaves(args[i])]
+            others = [
+                x
+                for i, a in enumerate(args)
+                if i not in batch_idx
+                for x in jax.tree.leaves(a)
+                if _is_array(x)
+            ] + [x for x in jax.tree.leaves((kwargs, state)) if _is_array(x)]
+            if axes_mode == "auto":
+                found = _explicit_batch_axes(batch, others)
+            else:
+                mesh = jax.sharding.get_abstract_mesh()
+                if mesh.empty:
+                    raise ValueError(
+                        f"`mesh_axes`={mesh_axes!r} needs a mesh: call under "
+                        "`jax.set_mesh(mesh)`."
+                    )
+                found = (mesh, axes_mode)
+            if found is not None:
+                return device_local(args, kwargs, state, found[0], found[1], size)
+        value, grads, aux, _, state = run(args, kwargs, None, 1.0, False, state)
+        return pack(value, grads, aux, state)
+
+    return wrapped

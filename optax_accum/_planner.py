@@ -1,0 +1,267 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`plan_micro_batch`: the largest micro-batch that fits a memory budget.
+
+Everything here is ahead-of-time: the step is lowered and compiled for
+abstract shapes (``jax.ShapeDtypeStruct``) and XLA's memory analysis is read;
+nothing is allocated or executed on the device, so there are no OOM trials.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from ._validation import check_positive_int
+
+
+class MicroBatchPlan(NamedTuple):
+    """What `plan_micro_batch` chose.
+
+    Attributes:
+      micro_batch_size: examples per micro-batch (per call of the step).
+      num_micro_batches: ``k``, micro-batches per update.
+      effective_batch_size: ``micro_batch_size * num_micro_batches``.
+      memory_bytes: estimated peak memory of the step at ``micro_batch_size``.
+      memory_budget: the budget it was planned against, in bytes.
+      next_micro_batch_size: the next candidate size up, or None if the
+        chosen size is the largest candidate.
+      next_memory_bytes: the estimate for ``next_micro_batch_size`` (over the
+        budget), or None.
+      num_compilations: how many sizes were compiled.
+    """
+
+    micro_batch_size: int
+    num_micro_batches: int
+    effective_batch_size: int
+    memory_bytes: int
+    memory_budget: int
+    next_micro_batch_size: int | None
+    next_memory_bytes: int | None
+    num_compilations: int
+
+
+def compiled_memory_bytes(compiled: Any) -> int:
+    """Peak device memory of a compiled executable, from XLA's memory analysis.
+
+    ``argument + output - alias + temp``: the inputs, the outputs that do not
+    reuse a donated input buffer, and XLA's scratch buffers, all live at once
+    in the worst case. Generated code is not counted.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+
+    Returns:
+      The estimate in bytes.
+
+    Raises:
+      RuntimeError: if the backend reports no memory analysis.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> compiled = jax.jit(lambda x: 2 * x).lower(jnp.zeros(256)).compile()
+      >>> optax_accum.compiled_memory_bytes(compiled)  # 1 KiB in, 1 KiB out
+      2048
+    """
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(
+            "This backend reports no memory analysis for compiled executables, "
+            "so the micro-batch size cannot be planned ahead of time."
+        )
+    return int(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+def _default_budget(device: Any) -> int:
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(
+            f"`memory_budget` is required on {device.platform} device {device}: "
+            "it reports no memory statistics, so its free memory is unknown. "
+            "Pass the budget in bytes, e.g. memory_budget=4 * 2**30."
+        )
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def _candidates(
+    target: int, max_size: int, multiple_of: int, divisors_only: bool
+) -> list[int]:
+    sizes = range(multiple_of, max_size + 1, multiple_of)
+    if divisors_only:
+        sizes = [m for m in sizes if target % m == 0]
+    return list(sizes)
+
+
+def plan_micro_batch(
+    step: Callable[..., Any],
+    params: optax.Params,
+    opt_state: optax.OptState | None,
+    example: Any,
+    target_batch_size: int,
+    *,
+    memory_budget: int | None = None,
+    max_micro_batch_size: int | None = None,
+    multiple_of: int = 1,
+    divisors_only: bool = True,
+    device: Any = None,
+) -> MicroBatchPlan:
+    """Finds the largest micro-batch size whose compiled step fits in memory.
+
+    ``step`` is what runs once per micro-batch: a train step
+    ``step(params, opt_state, batch)`` (e.g. gradients plus an `accumulate`
+    update), or, with ``opt_state=None``, ``step(params, batch)``; to plan a
+    loss, pass ``jax.value_and_grad(loss)``. A ``jax.jit``-wrapped step is
+    lowered with its own settings (donation, shardings); a plain function is
+    wrapped in ``jax.jit`` without donation, which overestimates a step that
+    donates its state.
+
+    For each candidate size ``m`` the batch is ``example`` with a leading axis
+    of ``m``, and the step is compiled ahead of time (never run). Its memory is
+    `compiled_memory_bytes`: ``argument + output - alias + temp`` bytes from
+    ``compiled.memory_analysis()``. A binary search over the candidates, with
+    ``O(log n)`` compilations, returns a size that fits the budget whose next
+    candidate does not. This assumes memory grows with ``m``; XLA may choose
+    other algorithms at tiny sizes (a matrix-vector product at ``m = 1``), so
+    the plan reports both estimates, and if the smallest candidate does not
+    fit, the second smallest is tried before giving up.
+
+    The number of micro-batches is ``k = ceil(target_batch_size / m)``. With
+    ``divisors_only`` (the default), the candidates divide the target, so the
+    effective batch ``k * m`` equals it exactly (an odd prime target then
+    leaves only ``m = 1`` and ``m = target``). Without, every multiple of
+    ``multiple_of`` is a candidate and the effective batch rounds up to
+    ``k * m >= target``.
+
+    Args:
+      step: the per-micro-batch step, see above.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      opt_state: the optimizer state, or None to call ``step(params, batch)``.
+      example: one example: a pytree of arrays without the batch axis.
+      target_batch_size: the effective batch size to reach, an int >= 1.
+      memory_budget: bytes the step may use. Default: the device's free
+        memory, ``bytes_limit - bytes_in_use`` from ``device.memory_stats()``
+        (GPU, TPU). Required on the CPU, which reports none.
+      max_micro_batch_size: largest size to consider, default the target.
+      multiple_of: candidates are multiples of this, e.g. the number of
+        data-parallel devices.
+      divisors_only: only consider sizes that divide the target.
+      device: the device whose free memory is the default budget, default
+        ``jax.devices()[0]``.
+
+    Returns:
+      A `MicroBatchPlan`.
+
+    Raises:
+      ValueError: if no budget is given and the device reports none, if no
+        candidate size exists, or if even the smallest candidate does not fit.
+      TypeError: for non-integer sizes.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w = jnp.zeros((64, 256))
+      >>> plan = optax_accum.plan_micro_batch(
+      ...     jax.value_and_grad(loss), w, None, jnp.zeros(64),
+      ...     target_batch_size=1024, memory_budget=600_000)
+      >>> plan.micro_batch_size * plan.num_micro_batches
+      1024
+      >>> plan.memory_bytes <= 600_000 < plan.next_memory_bytes
+      True
+    """
+    target = check_positive_int(target_batch_size, "target_batch_size")
+    multiple_of = check_positive_int(multiple_of, "multiple_of")
+    max_size = target
+    if max_micro_batch_size is not None:
+        max_size = check_positive_int(max_micro_batch_size, "max_micro_batch_size")
+    if memory_budget is None:
+        budget = _default_budget(device if device is not None else jax.devices()[0])
+    else:
+        budget = check_positive_int(memory_budget, "memory_budget")
+    sizes = _candidates(target, max_size, multiple_of, divisors_only)
+    if not sizes:
+        raise ValueError(
+            f"No micro-batch size is a multiple of `multiple_of`={multiple_of}, "
+            f"at most `max_micro_batch_size`={max_size}"
+            + (
+                f" and a divisor of `target_batch_size`={target}"
+                if divisors_only
+                else ""
+            )
+            + "."
+        )
+
+    lowerable = step if hasattr(step, "lower") else jax.jit(step)
+    # Arrays keep their sharding, so a sharded state is planned per device.
+    abstract = jax.tree.map(
+        lambda x: (
+            x
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(
+                np.shape(x),
+                jax.dtypes.result_type(x),
+                sharding=getattr(x, "sharding", None),
+            )
+        ),
+        (params, opt_state),
+    )
+    memory: dict[int, int] = {}
+
+    def measure(index: int) -> int:
+        m = sizes[index]
+        if m not in memory:
+            batch = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    (m, *np.shape(x)), jax.dtypes.result_type(x)
+                ),
+                example,
+            )
+            args = (abstract[0], batch) if opt_state is None else (*abstract, batch)
+            memory[m] = compiled_memory_bytes(lowerable.lower(*args).compile())
+        return memory[m]
+
+    # Invariant: sizes[lo] fits and sizes[hi] does not.
+    hi = len(sizes) - 1
+    if measure(hi) <= budget:
+        lo = hi
+    else:
+        # XLA may switch to a matrix-vector product at the smallest size,
+        # which can need more memory than the next one, so try two.
+        lo = 0
+        if measure(lo) > budget and hi > 1:
+            lo = 1
+        if measure(lo) > budget:
+            tried = ", ".join(f"{m}: {memory[m]:,} bytes" for m in sizes[: lo + 1])
+            raise ValueError(
+                f"Even the smallest micro-batch sizes do not fit `memory_budget`="
+                f"{budget:,} bytes (estimates {tried})."
+            )
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if measure(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+    m = sizes[lo]
+    k = math.ceil(target / m)
+    next_m = sizes[lo + 1] if lo + 1 < len(sizes) else None
+    return MicroBatchPlan(
+        micro_batch_size=m,
+        num_micro_batches=k,
+        effective_batch_size=k * m,
+        memory_bytes=memory[m],
+        memory_budget=budget,
+        next_micro_batch_size=next_m,
+        next_memory_bytes=None if next_m is None else memory[next_m],
+        num_compilations=len(memory),
+    )

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Flax integration: fused micro-batch train steps for `flax.nnx` and `flax.linen`.
+
+Both helpers run k micro-batches and one optimizer update in a single compiled
+call through `optax_accum.microbatch`. Mutable state (BatchNorm running
+statistics, nnx Rngs counters) is threaded through the micro-batches in order,
+exactly as k small steps would update it; each micro-batch normalizes with its
+own batch statistics. Flax is an optional dependency: ``import optax_accum``
+never imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ._microbatch import microbatch_with_state
+
+
+def nnx_train_step(
+    loss_fn: Callable[..., Any],
+    num_micro_batches: int,
+    *,
+    has_aux: bool = False,
+    **microbatch_kwargs: Any,
+) -> Callable[..., Any]:
+    """Builds ``step(model, optimizer, *batch)`` for a `flax.nnx` model.
+
+    ``loss_fn(model, *batch)`` returns the loss (a mean over the batch rows),
+    or ``(loss, aux)`` with ``has_aux``. The step splits every ``batch``
+    argument into ``num_micro_batches`` micro-batches (rows ``i, i+k, ...``),
+    computes the mean loss and gradients with `optax_accum.microbatch`, calls
+    ``optimizer.update(model, grads)`` once and writes the threaded state back
+    into ``model``. Wrap it in ``nnx.jit``.
+
+    Dropout: the model's own ``nnx.Rngs`` stream advances once per micro-batch,
+    so every micro-batch draws a fresh mask, the same masks k small steps
+    would draw. BatchNorm: each micro-batch is normalized with its own batch
+    statistics and the running averages are updated micro-batch by micro-batch,
+    in order (k momentum steps per optimizer step).
+
+    Args:
+      loss_fn: ``loss_fn(model, *batch) -> loss`` or ``(loss, aux)``.
+      num_micro_batches: k, as in `optax_accum.microbatch`.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
+        stacked along a leading axis of length k.
+      **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
+        micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
+        ``mesh_axes``, passed to `optax_accum.microbatch`.
+
+    Returns:
+      ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which
+      updates ``model`` and ``optimizer`` in place.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from optax_accum.flax import nnx_train_step
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> def loss_fn(model, x, y):
+      ...     return jnp.mean((model(x) - y) ** 2)
+      >>> step = nnx.jit(nnx_train_step(loss_fn, num_micro_batches=4))
+      >>> loss = step(model, optimizer, jnp.ones((8, 2)), jnp.zeros((8, 1)))
+      >>> loss.shape
+      ()
+    """
+
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any) -> Any:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def fun(params, *batch, state):
+            # copy=True: fresh Variables at this trace level, since the forward
+            # pass mutates them (BatchStat, RngCount).
+            def loss_of(params, state):
+                m = nnx.merge(graphdef, params, state, copy=True)
+                out = loss_fn(m, *batch)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, nnx.split(m, nnx.Param, ...)[2])
+
+            grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+            (loss, (aux, new_state)), grads = grad_fn(params, state)
+            return ((loss, aux), grads), new_state
+
+        mb = microbatch_with_state(
+            fun,
+            num_micro_batches,
+            batch_argnums=tuple(range(1, len(batch) + 1)),
+            has_aux=True,
+            **microbatch_kwargs,
+        )
+        ((loss, aux), grads), new_rest = mb(params, *batch, state=rest)
+        nnx.update(model, new_rest)
+        optimizer.update(model, grads)
+        return (loss, aux) if has_aux else loss
+
+    return step
+
+
+def linen_train_step(
+    loss_fn: Callable[..., Any],
+    num_micro_batches: int,
+    *,
+    has_aux: bool = False,
+    **microbatch_kwargs: Any,
+) -> Callable[..., Any]:
+    """Builds ``step(state, *batch, rng=None)`` for a `flax.linen` TrainState.
+
+    ``state`` is a ``flax.training.train_state.TrainState`` subclass with a
+    ``batch_stats`` field. ``loss_fn(params, batch_stats, rng, *batch)``
+    returns ``(loss, new_batch_stats)``, or ``((loss, aux), new_batch_stats)``
+    with ``has_aux``; typically it calls ``state.apply_fn`` with
+    ``mutable=["batch_stats"]`` and ``rngs={"dropout": rng}``. Micro-batch
+    ``i`` receives ``jax.random.fold_in(rng, i)`` (for each key, if ``rng`` is
+    a dict of keys), and the batch statistics micro-batch ``i - 1`` returned.
+    The step then calls ``state.apply_gradients`` once. Wrap it in ``jax.jit``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch_stats, rng, *batch)``, see above.
+      num_micro_batches: k, as in `optax_accum.microbatch`.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)`` as its first output.
+      **microbatch_kwargs: passed to `optax_accum.microbatch`.
+
+    Returns:
+      ``step(state, *batch, rng=None) -> (new_state, loss)`` (or
+      ``(new_state, (loss, aux))``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import flax.linen as nn
+      >>> from flax.training import train_state
+      >>> from optax_accum.flax import linen_train_step
+      >>> class TrainState(train_state.TrainState):
+      ...     batch_stats: dict
+      >>> net = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+      >>> x = jnp.ones((8, 2))
+      >>> variables = net.init(jax.random.key(0), x)
+      >>> state = TrainState.create(apply_fn=net.apply, params=variables["params"],
+      ...     batch_stats=variables["batch_stats"], tx=optax.sgd(0.1))
+      >>> def loss_fn(params, batch_stats, rng, x):
+      ...     out, updates = net.apply({"params": params, "batch_stats": batch_stats},
+      ...                              x, mutable=["batch_stats"])
+      ...     return jnp.mean(out ** 2), updates["batch_stats"]
+      >>> step = jax.jit(linen_train_step(loss_fn, num_micro_batches=2))
+      >>> state, loss = step(state, x)
+      >>> int(state.step)
+      1
+    """
+
+    def step(state: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+        def fun(params, rng, *batch, state):
+            def loss_of(params):
+                out, new_stats = loss_fn(params, state, rng, *batch)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, new_stats)
+
+            (loss, (aux, new_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                params
+            )
+            return ((loss, aux), grads), new_stats
+
+        mb = microbatch_with_state(
+            fun,
+            num_micro_batches,
+            batch_argnums=tuple(range(2, len(batch) + 2)),
+            rng_argnums=1,
+            has_aux=True,
+            **microbatch_kwargs,
+        )
+        ((loss, aux), grads), stats = mb(
+            state.params, rng, *batch, state=state.batch_stats
+        )
+        new_state = state.apply_gradients(grads=grads, batch_stats=stats)
+        return new_state, ((loss, aux) if has_aux else loss)
+
+    return step
