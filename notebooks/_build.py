@@ -245,8 +245,16 @@ QUICKSTART = [
         ## Migrating from `optax.MultiSteps`
 
         `optax_accum.MultiSteps` takes the same arguments, has the same methods and
-        the same state fields, so migrating is one changed import. The inner
-        optimizer then runs only on the boundary steps, inside one `lax.cond`.
+        the same state fields, so migrating is one changed name:
+
+        ```python
+        opt = optax.MultiSteps(optimizer, every_k_schedule=K)        # before
+        opt = optax_accum.MultiSteps(optimizer, every_k_schedule=K)  # after
+        ```
+
+        The inner optimizer then runs only on the boundary steps, inside one
+        `lax.cond`; `optax.MultiSteps` runs it on every micro-step and keeps the
+        result on the last one. Below, the same loop with either class:
         """
     ),
     code(

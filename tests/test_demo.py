@@ -152,3 +152,24 @@ def test_default_benchmarks_dir_is_the_repository_one():
 
     assert BENCHMARKS_DIR.name == "benchmarks"
     assert (BENCHMARKS_DIR.parent / "pyproject.toml").is_file()
+
+
+def test_bench_quick_on_the_repository_benchmarks(tmp_path):
+    from optax_accum.__main__ import BENCHMARKS_DIR
+
+    scripts = sorted(p.stem for p in BENCHMARKS_DIR.glob("bench_*.py"))
+    assert scripts, f"no benchmarks in {BENCHMARKS_DIR}"
+    md = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "optax_accum", "bench", "--quick", "--out", str(md)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = md.read_text()
+    for stem in scripts:
+        assert f"### {stem}\n" in proc.stdout
+        section = written.split(f"### {stem}\n", 1)[1].split("\n### ", 1)[0]
+        assert re.search(r"^\|[-:| ]+\|$", section, re.MULTILINE), section
