@@ -61,29 +61,34 @@ def test_demo_end_to_end(tmp_path):
     png = out / "optax_accum_demo.png"
     assert f"Wrote the loss curves to {png}" in text
     assert png.read_bytes().startswith(PNG_MAGIC)
-    assert "OK: both accumulated runs match" in text
+    assert "OK: the accumulated runs match the large batch 24 run" in text
 
 
-def test_demo_exits_non_zero_on_mismatch(tmp_path, capsys):
-    # A negative tolerance makes every comparison fail: the exit path itself.
-    status = main(
-        [
-            "demo",
-            "-k",
-            "2",
-            "-b",
-            "4",
-            "--steps",
-            "2",
-            "--tolerance",
-            "-1",
-            "--out",
-            str(tmp_path),
-            "--no-progress",
-        ]
-    )
-    assert status == 1
-    assert "FAIL: accumulate 2x4" in capsys.readouterr().out
+@pytest.mark.parametrize(
+    ("diffs", "failing"),
+    [
+        ((3e-7, 1e-4), None),
+        ((3e-7, 1.1e-4), "microbatch 4x8"),
+        ((float("nan"), 0.0), "accumulate 4x8"),
+    ],
+)
+def test_demo_verdict(diffs, failing, capsys):
+    from optax_accum._demo import RunResult, _verdict
+
+    runs = [
+        RunResult(name, None, max_param_diff=d)
+        for name, d in zip(("accumulate 4x8", "microbatch 4x8"), diffs, strict=True)
+    ]
+    status = _verdict(runs, "large batch 32", tolerance=1e-4)
+    out = capsys.readouterr().out
+    if failing is None:
+        assert status == 0
+        assert out.startswith("OK: the accumulated runs match the large batch 32")
+    else:
+        assert status == 1
+        assert out.startswith(f"FAIL: {failing} (")
+        assert out.count(" 4x8 (") == 1
+        assert "than 0.0001" in out
 
 
 @pytest.mark.parametrize(
