@@ -71,7 +71,7 @@ def skip_large_updates(max_norm: jax.typing.ArrayLike) -> Any:
 
     def skip_fn(grads, step, params):
         del step, params
-        norm = optax.global_norm(grads).astype(jnp.float32)
+        norm = optax.tree.norm(grads).astype(jnp.float32)
         should_skip = jnp.logical_not(norm <= max_norm)
         return should_skip, {"should_skip": should_skip, "norm": norm}
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -406,19 +408,19 @@ def test_line_search_optimizer_lbfgs():
     params = mlp_params(3)
     loss = lambda p: mlp_loss(p, x, y)
     ref, tx = optax.lbfgs(), optax_accum.accumulate(optax.lbfgs(), k)
+    # value_fn is a callable, not an array: it is closed over, not traced.
+    ref_update = jax.jit(functools.partial(ref.update, value_fn=loss))
+    update = jax.jit(functools.partial(tx.update, value_fn=loss))
+    grad_fn = jax.jit(jax.grad(mlp_loss))
     ref_params, ref_state, state = params, ref.init(params), tx.init(params)
     for _ in range(3):
         value, grad = jax.value_and_grad(loss)(ref_params)
-        u, ref_state = ref.update(
-            grad, ref_state, ref_params, value=value, grad=grad, value_fn=loss
-        )
+        u, ref_state = ref_update(grad, ref_state, ref_params, value=value, grad=grad)
         ref_params = optax.apply_updates(ref_params, u)
         value, grad = jax.value_and_grad(loss)(params)
         for i in range(k):
-            g = jax.grad(mlp_loss)(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
-            u, state = tx.update(
-                g, state, params, value=value, grad=grad, value_fn=loss
-            )
+            g = grad_fn(params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+            u, state = update(g, state, params, value=value, grad=grad)
         params = optax.apply_updates(params, u)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-6)
 

@@ -170,6 +170,7 @@ def test_multi_steps_mixed_precision(opt_name, opt_kwargs):
     ms_opt = MultiSteps(opt, k_steps)
     ms_init, ms_update = ms_opt.gradient_transformation()
     ms_update, opt_update = jax.jit(ms_update), jax.jit(opt.update)
+    grad_fn = jax.jit(jax.grad(_loss))
     dtypes = [jnp.float32, jnp.float16, jnp.bfloat16]
     for upd_dtype in dtypes:
         for param_dtype in dtypes:
@@ -178,7 +179,7 @@ def test_multi_steps_mixed_precision(opt_name, opt_kwargs):
             opt_state, ms_state = opt.init(params), ms_init(params)
             for _ in range(k_steps + 1):
                 grad = jax.tree.map(
-                    lambda x, t=upd_dtype: x.astype(t), jax.grad(_loss)(params, data)
+                    lambda x, t=upd_dtype: x.astype(t), grad_fn(params, data)
                 )
                 updates, opt_state = opt_update(grad, opt_state, params)
                 ms_updates, ms_state = ms_update(grad, ms_state, params)
