@@ -380,6 +380,7 @@ TOKEN_WEIGHTING = [
         SEQ_LEN = 256 if FULL else 96
         NUM_UPDATES = 100 if FULL else 20
         D_MODEL, NUM_HEADS, NUM_LAYERS = (256, 8, 4) if FULL else (64, 4, 2)
+        PEAK_LR = 1e-3 if FULL else 3e-3
 
         SUBJECTS = ["the cat", "a small dog", "my neighbour", "the old sailor", "a robot"]
         VERBS = ["sees", "likes", "paints", "follows", "remembers", "builds", "sells"]
@@ -583,7 +584,12 @@ TOKEN_WEIGHTING = [
     code(
         """
         def make_optimizer():
-            return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
+            # The schedule counts optimizer updates: `accumulate` runs the inner
+            # optimizer once per K micro-batches.
+            learning_rate = optax.warmup_cosine_decay_schedule(
+                PEAK_LR / 10, PEAK_LR, NUM_UPDATES // 10, decay_steps=NUM_UPDATES
+            )
+            return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate))
 
 
         @nnx.jit
@@ -902,6 +908,7 @@ MEMORY = [
         for ax in (ax_b, ax_k):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_ylabel("MiB")
@@ -954,7 +961,7 @@ MEMORY = [
     ),
     code(
         """
-        TARGET = 2**17 if FULL else 8192  # examples per optimizer update
+        TARGET = 2**16 if FULL else 8192  # examples per optimizer update
         BUDGET = None if FULL else 24 * MiB  # None: the device's free memory
 
         step, state = accumulate_step(K)  # its memory does not depend on k

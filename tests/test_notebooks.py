@@ -34,8 +34,12 @@ def _ids(paths: list[Path]) -> list[str]:
 def _load_builder():
     spec = importlib.util.spec_from_file_location("_build", NOTEBOOKS_DIR / "_build.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    write_bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # no __pycache__ in notebooks/
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = write_bytecode
     return module
 
 
