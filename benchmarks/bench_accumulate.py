@@ -55,9 +55,10 @@ def _train_step(tx: optax.GradientTransformation, loss: Callable) -> Callable:
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def run(quick: bool = False, rounds: int = 7) -> str:
+def run(quick: bool = False, rounds: int = 7, micro: int | None = None) -> str:
     """Runs the benchmark and returns a Markdown table."""
-    width, depth, micro, k = (256, 4, 8, 4) if quick else (1024, 4, 8, 8)
+    width, depth, default_micro, k = (256, 4, 8, 4) if quick else (1024, 4, 8, 8)
+    micro = micro or default_micro
     params0, loss = _mlp(width, depth)
     n_params = sum(x.size for x in jax.tree.leaves(params0))
     rng = np.random.default_rng(0)
@@ -149,8 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small config")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--micro", type=int, default=None, help="micro-batch size")
     args = parser.parse_args()
-    print(run(args.quick, args.rounds))
+    print(run(args.quick, args.rounds, args.micro))
 
 
 if __name__ == "__main__":
