@@ -2,9 +2,11 @@
 # Copyright 2026 The optax_accum Authors.
 """`microbatch`: k micro-batches of a value-and-grad function in one `lax.scan`.
 
-This module owns the fused path: the copy-free split of the batch, the scan
-that accumulates values and gradients, the per-micro-batch PRNG keys, and the
-device-local loop that keeps gradients unreduced until one all-reduce after it.
+This module owns the public `microbatch` and `microbatch_with_state`, their
+argument checks, the copy-free split of the batch, the scan that accumulates
+values and gradients, and the per-micro-batch PRNG keys. The device-local loop,
+which keeps gradients unreduced until one all-reduce after it, lives in
+`_microbatch_sharding`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from ._microbatch_sharding import (
+    batch_mesh,
+    device_local,
+    reduce_after_loop,
+    reduce_single,
+    spec_axes,
+    to_varying,
+)
 from ._validation import (
     canonical_accumulator_dtype,
     check_positive_int,
@@ -65,54 +73,6 @@ def _mesh_axes(value: Any) -> MeshAxes | None:
             f"them, got {value!r}."
         )
     return axes
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _explicit_batch_axes(batch: list, others: list) -> tuple[Any, tuple] | None:
-    """The mesh and Explicit mesh axes that shard axis 0 of every batch leaf."""
-    found = set()
-    mesh = None
-    for x in batch:
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
-            return None
-        axes = _spec_axes(sharding.spec[0] if len(sharding.spec) else None)
-        types = dict(
-            zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True)
-        )
-        if not axes or any(types[a] != AxisType.Explicit for a in axes):
-            return None
-        found.add(axes)
-        mesh = sharding.mesh
-    if len(found) != 1:
-        return None
-    (axes,) = found
-    for x in others:
-        spec = getattr(jax.typeof(x).sharding, "spec", ())
-        if any(set(_spec_axes(e)) & set(axes) for e in spec):
-            return None  # e.g. FSDP parameters: leave the layout to the compiler.
-    return mesh, axes
-
-
-def _to_varying(tree: Any, axes: tuple) -> Any:
-    """pcast leaves to varying, so their cotangents stay local (no psum)."""
-
-    def cast(x):
-        if not _is_array(x):
-            return x
-        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array)
 
 
 def microbatch(
@@ -275,7 +235,7 @@ def _build(
             "Pass either `axis_name` (inside shard_map/pmap) or `mesh_axes`, "
             f"not both: got axis_name={axis_name!r}, mesh_axes={mesh_axes!r}."
         )
-    user_axes = None if axis_name is None else _spec_axes(axis_name)
+    user_axes = None if axis_name is None else spec_axes(axis_name)
     mean = reduction == "mean"
     # Weighted means use a running mean: it stays at the gradients' scale,
     # so fp16 accumulators do not overflow with token-count weights.
@@ -406,18 +366,10 @@ def _build(
         if axes is None:
             if not weighted and mean:
                 acc_v, acc_g = jax.tree.map(lambda a: a / k, (acc_v, acc_g))
-        elif weighted and mean:
-            total = lax.psum(w_sum, axes)
-            share = jnp.where(total > 0, w_sum / jnp.where(total > 0, total, 1.0), 0.0)
-            acc_v, acc_g = lax.psum(
-                jax.tree.map(lambda a: share.astype(a.dtype) * a, (acc_v, acc_g)), axes
-            )
         else:
-            acc_v, acc_g = lax.psum((acc_v, acc_g), axes)
-            if not weighted:
-                scale = 1.0 / (k * lax.psum(1, axes)) if mean else unit
-                if scale != 1.0:
-                    acc_v, acc_g = jax.tree.map(lambda a: a * scale, (acc_v, acc_g))
+            acc_v, acc_g = reduce_after_loop(
+                acc_v, acc_g, w_sum, axes, k=k, unit=unit, weighted=weighted, mean=mean
+            )
 
         value = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_v, v_shape)
         grads = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_g, g_shape)
@@ -433,105 +385,7 @@ def _build(
         aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
         if user_axes is not None:
             w = weight_of(args) if weighted else jnp.float32(1.0)
-            if mean:
-                total = lax.psum(w, user_axes)
-                w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
-
-            def red(x):
-                wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-                return lax.psum(w * wide, user_axes).astype(x.dtype)
-
-            value, grads = jax.tree.map(red, (value, grads))
-        return pack(value, grads, aux, state)
-
-    def device_local(args, kwargs, state, mesh: Any, axes: tuple, size: int):
-        """Runs the loop per device in shard_map; one psum after it."""
-        n_dev = 1
-        for a in axes:
-            n_dev *= mesh.shape[a]
-        if (size // n_dev) % k:
-            raise ValueError(
-                f"each micro-batch must be spread over the {n_dev} devices of "
-                f"mesh axes {axes}: the micro-batch size {size // k} (batch "
-                f"{size} / `num_micro_batches`={k}) is not divisible by {n_dev}."
-            )
-        flat, treedef = jax.tree.flatten((args, kwargs, state))
-        flags = [
-            jax.tree.map(lambda _, b=i in batch_idx: b, a) for i, a in enumerate(args)
-        ]
-        no = jax.tree.map(lambda _: False, (kwargs, state))
-        is_batch = jax.tree.leaves((flags, *no))
-        dyn = [i for i, x in enumerate(flat) if is_batch[i] or _is_array(x)]
-        specs = tuple(P(axes) if is_batch[i] else P() for i in dyn)
-
-        aux_specs = None
-        if has_aux:
-            # Global shapes tell which aux leaves carry the micro-batch's rows.
-            def global_aux():
-                margs = list(args)
-                for j in batch_idx:
-                    margs[j] = jax.tree.map(
-                        lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, 0],
-                        args[j],
-                    )
-                return call(margs, kwargs, state)[2]
-
-            aux_shapes = jax.eval_shape(global_aux)
-            rows = size // k
-            aux_specs = jax.tree.map(
-                lambda s: P(None, axes) if s.ndim and s.shape[0] == rows else P(),
-                aux_shapes,
-            )
-
-        def inner(*leaves):
-            full = list(flat)
-            for i, x in zip(dyn, leaves, strict=True):
-                full[i] = x if is_batch[i] else _to_varying(x, axes)
-            largs, lkwargs, lstate = jax.tree.unflatten(treedef, full)
-            value, grads, aux, ws, lstate = run(
-                list(largs), lkwargs, axes, 1.0 / n_dev, True, lstate
-            )
-
-            def red_state(new, old):
-                if jnp.issubdtype(new.dtype, jnp.inexact):
-                    return lax.pmean(new, axes)
-                if jnp.issubdtype(new.dtype, jax.dtypes.extended):
-                    return old  # PRNG keys: the counters that advance are ints.
-                if jnp.issubdtype(new.dtype, jnp.bool_):
-                    return lax.pmax(new.astype(jnp.int32), axes) > 0
-                return lax.pmax(new, axes)
-
-            lstate = jax.tree.map(red_state, lstate, state_in(leaves))
-            if has_aux:
-
-                def red(a, spec):
-                    if spec != P():
-                        return a
-                    if jnp.issubdtype(a.dtype, jnp.bool_):
-                        return lax.psum(a.astype(jnp.int32), axes) > 0
-                    if not jnp.issubdtype(a.dtype, jnp.inexact):
-                        return lax.psum(a, axes)
-                    shape = ws.shape + (1,) * (a.ndim - 1)
-                    wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-                    num = lax.psum(ws.reshape(shape) * wide, axes)
-                    den = lax.psum(ws, axes).reshape(shape)
-                    safe = jnp.where(den > 0, den, 1.0)
-                    return jnp.where(den > 0, num / safe, 0.0).astype(a.dtype)
-
-                aux = jax.tree.map(red, aux, aux_specs)
-            return value, grads, aux, lstate
-
-        def state_in(leaves):
-            full = list(flat)
-            for i, x in zip(dyn, leaves, strict=True):
-                full[i] = x
-            return jax.tree.unflatten(treedef, full)[2]
-
-        out_specs = (P(), P(), aux_specs, P())
-        mapped = jax.shard_map(
-            inner, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(axes)
-        )
-        value, grads, aux, state = mapped(*(flat[i] for i in dyn))
+            value, grads = reduce_single((value, grads), w, user_axes, mean)
         return pack(value, grads, aux, state)
 
     @functools.wraps(fun)
@@ -541,10 +395,10 @@ def _build(
         if user_axes is not None:
             # Invariant inputs would get their cotangents psum-ed inside `fun`.
             args = [
-                a if i in batch_idx else _to_varying(a, user_axes)
+                a if i in batch_idx else to_varying(a, user_axes)
                 for i, a in enumerate(args)
             ]
-            kwargs, state = _to_varying((kwargs, state), user_axes)
+            kwargs, state = to_varying((kwargs, state), user_axes)
         if k == 1:
             return single(args, kwargs, state)
         if user_axes is not None:
@@ -553,26 +407,12 @@ def _build(
             )
             return pack(value, grads, aux, state)
         if axes_mode is not None:
-            batch = [x for i in batch_idx for x in jax.tree.leaves(args[i])]
-            others = [
-                x
-                for i, a in enumerate(args)
-                if i not in batch_idx
-                for x in jax.tree.leaves(a)
-                if _is_array(x)
-            ] + [x for x in jax.tree.leaves((kwargs, state)) if _is_array(x)]
-            if axes_mode == "auto":
-                found = _explicit_batch_axes(batch, others)
-            else:
-                mesh = jax.sharding.get_abstract_mesh()
-                if mesh.empty:
-                    raise ValueError(
-                        f"`mesh_axes`={mesh_axes!r} needs a mesh: call under "
-                        "`jax.set_mesh(mesh)`."
-                    )
-                found = (mesh, axes_mode)
+            found = batch_mesh(args, kwargs, state, batch_idx, axes_mode, mesh_axes)
             if found is not None:
-                return device_local(args, kwargs, state, found[0], found[1], size)
+                value, grads, aux, state = device_local(
+                    run, call, args, kwargs, state, *found, size, k, batch_idx, has_aux
+                )
+                return pack(value, grads, aux, state)
         value, grads, aux, _, state = run(args, kwargs, None, 1.0, False, state)
         return pack(value, grads, aux, state)
 
