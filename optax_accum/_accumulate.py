@@ -122,9 +122,12 @@ def _make_engine(
     accumulator_dtype: Any,
     skip_fn: SkipFn | None,
     axis_name: Any,
+    names: tuple[str, str] = ("every_k", "skip_fn"),
 ) -> _Engine:
+    """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
+    k_arg, skip_arg = names
     inner = optax.with_extra_args_support(inner)
-    check_every_k(every_k)
+    check_every_k(every_k, arg=k_arg)
     check_reduction(reduction)
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     mean = reduction == "mean"
@@ -153,14 +156,14 @@ def _make_engine(
             return ()
         zeros = jax.tree.map(jnp.zeros_like, params)
         _, skip_state = normalize_skip_result(
-            skip_fn(zeros, jnp.zeros([], jnp.int32), params)
+            skip_fn(zeros, jnp.zeros([], jnp.int32), params), skip_arg
         )
         return local(skip_state)
 
     def current_k(update_step: jax.Array) -> jax.Array:
         if callable(every_k):
             k = every_k(update_step)
-            check_every_k(k, from_schedule=True)
+            check_every_k(k, from_schedule=True, arg=k_arg)
             return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
         return jnp.asarray(every_k, jnp.int32)
 
@@ -187,7 +190,7 @@ def _make_engine(
             skip_state = ()
         else:
             should_skip, skip_state = normalize_skip_result(
-                skip_fn(grads, window.update_step, params)
+                skip_fn(grads, window.update_step, params), skip_arg
             )
             if axis_name is not None:
                 # Every device must agree, or their windows (and collectives)

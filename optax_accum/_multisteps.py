@@ -84,6 +84,7 @@ class MultiSteps:
             accumulator_dtype,
             should_skip_update_fn,
             None,
+            names=("every_k_schedule", "should_skip_update_fn"),
         )
 
     @property

@@ -38,14 +38,19 @@ def check_positive_int(value: Any, name: str) -> int:
     return value
 
 
-def check_every_k(every_k: Any, *, from_schedule: bool = False) -> None:
-    """Checks ``every_k`` (an int or callable) or the value a schedule returned."""
+def check_every_k(
+    every_k: Any, *, from_schedule: bool = False, arg: str = "every_k"
+) -> None:
+    """Checks ``every_k`` (an int or callable) or the value a schedule returned.
+
+    ``arg`` is the argument's name in the caller's signature.
+    """
     if not from_schedule:
         if callable(every_k):
             return
-        check_positive_int(every_k, "every_k")
+        check_positive_int(every_k, arg)
         return
-    name = "every_k(update_step)"
+    name = f"{arg}(step)"
     dtype = getattr(every_k, "dtype", None)
     if dtype is None:
         if isinstance(every_k, bool) or not isinstance(every_k, int | np.integer):
@@ -91,7 +96,7 @@ def check_weight(weight: Any) -> jax.Array:
     return jnp.asarray(weight, jnp.float32)
 
 
-def normalize_skip_result(result: Any) -> tuple[jax.Array, Any]:
+def normalize_skip_result(result: Any, arg: str = "skip_fn") -> tuple[jax.Array, Any]:
     """Accepts ``flag`` or optax's ``(flag, skip_state)``; checks ``flag``."""
     if isinstance(result, tuple) and len(result) == 2:
         flag, skip_state = result
@@ -100,7 +105,7 @@ def normalize_skip_result(result: Any) -> tuple[jax.Array, Any]:
     dtype = getattr(flag, "dtype", None)
     if dtype is None or dtype != jnp.bool_ or np.ndim(flag) != 0:
         raise TypeError(
-            "`skip_fn` must return a boolean scalar (or a tuple of one and a "
+            f"`{arg}` must return a boolean scalar (or a tuple of one and a "
             f"pytree), got {flag!r}."
         )
     return jnp.asarray(flag), skip_state

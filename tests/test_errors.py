@@ -29,18 +29,18 @@ GRADS = {"a": jnp.ones(3), "b": jnp.ones([])}
 def test_every_k(every_k, error, match):
     with pytest.raises(error, match=match):
         optax_accum.accumulate(optax.sgd(1.0), every_k)
-    with pytest.raises(error, match=match.replace("every_k", "every_k")):
+    with pytest.raises(error, match=match.replace("every_k", "every_k_schedule")):
         optax_accum.MultiSteps(optax.sgd(1.0), every_k)
 
 
 @pytest.mark.parametrize(
     ("schedule", "error", "match"),
     [
-        (lambda step: 0, ValueError, r"`every_k\(update_step\)` must be >= 1, got 0"),
+        (lambda step: 0, ValueError, r"`every_k\(step\)` must be >= 1, got 0"),
         (
             lambda step: 2.0,
             TypeError,
-            r"`every_k\(update_step\)` must return an integer",
+            r"`every_k\(step\)` must return an integer",
         ),
         (
             lambda step: jnp.float32(2),
@@ -115,6 +115,11 @@ def test_non_numeric_weight():
 def test_skip_fn_must_return_a_boolean_scalar(skip_fn):
     with pytest.raises(TypeError, match="`skip_fn` must return a boolean scalar"):
         optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=skip_fn).init(PARAMS)
+    ms = optax_accum.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip_fn)
+    with pytest.raises(
+        TypeError, match="`should_skip_update_fn` must return a boolean scalar"
+    ):
+        ms.init(PARAMS)
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, [1.0, 2.0]])
