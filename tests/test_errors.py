@@ -126,3 +126,11 @@ def test_skip_fn_must_return_a_boolean_scalar(skip_fn):
 def test_skip_large_updates_max_norm(max_norm):
     with pytest.raises(ValueError, match="`max_norm` must be a positive scalar"):
         optax_accum.skip_large_updates(max_norm)
+
+
+def test_has_updated_needs_exactly_one_accumulate_state():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    with pytest.raises(ValueError, match="found 0"):
+        optax_accum.has_updated(optax.sgd(1.0).init(PARAMS))
+    with pytest.raises(ValueError, match="found 2"):
+        optax_accum.has_updated((tx.init(PARAMS), tx.init(PARAMS)))
