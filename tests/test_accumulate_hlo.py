@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 
+import _hlo
 import jax
 import jax.numpy as jnp
 import optax
@@ -37,41 +38,11 @@ def _compiled(tx):
     return jitted.lower(params, tx.init(params), x, y).compile()
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    comps: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            name = "ENTRY" if m.group(1) else m.group(2)
-            comps[name] = []
-        elif name and line.startswith("  "):
-            comps[name].append(line.strip())
-    return comps
-
-
-def _branches(comps: dict[str, list[str]]) -> set[str]:
-    roots = set()
-    for lines in comps.values():
-        for line in lines:
-            m = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if m:
-                roots |= set(re.findall(r"%([\w.\-]+)", m.group(1)))
-    reach, todo = set(), list(roots)
-    while todo:
-        c = todo.pop()
-        if c in reach or c not in comps:
-            continue
-        reach.add(c)
-        for line in comps[c]:
-            todo += re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)
-    return reach
-
-
 def _big_copies(hlo: str) -> list[str]:
     """Copies of arrays with at least 1,000 elements, anywhere in the module."""
     out = []
-    for lines in _computations(hlo).values():
+    comps, _ = _hlo.computations(hlo)
+    for lines in comps.values():
         for line in lines:
             m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
             if m:
@@ -93,8 +64,8 @@ def test_hold_path_has_no_large_copies(drop_in):
 
 def test_inner_optimizer_runs_only_in_the_boundary_branch():
     hlo = _compiled(optax_accum.accumulate(optax.adam(1e-3), 4)).as_text()
-    comps = _computations(hlo)
-    branches = _branches(comps)
+    comps, _ = _hlo.computations(hlo)
+    branches = _hlo.reachable(comps, _hlo.branch_roots(comps))
     assert branches, "no conditional in the compiled step"
     # Adam's sqrt(nu) is the marker of the inner update.
     where = {c for c, lines in comps.items() for line in lines if " sqrt(" in line}

@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-import re
-
+import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -40,44 +39,11 @@ def _data(windows):
     return x.reshape(windows, K, N * 2, -1), y.reshape(windows, K, N * 2, -1)
 
 
-def _conditional_branches(hlo: str) -> tuple[set[str], dict[str, str]]:
-    """Names of computations reachable from conditional branches, and all bodies."""
-    bodies: dict[str, str] = {}
-    name = None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            name = m.group(1)
-            bodies[name] = ""
-        elif name:
-            bodies[name] += line + "\n"
-    roots = set()
-    for body in bodies.values():
-        for m in re.finditer(r"branch_computations=\{([^}]*)\}", body):
-            roots |= set(re.findall(r"%([\w.\-]+)", m.group(1)))
-        for m in re.finditer(r"(?:true|false)_computation=%([\w.\-]+)", body):
-            roots.add(m.group(1))
-    reach, todo = set(), list(roots)
-    while todo:
-        c = todo.pop()
-        if c in reach or c not in bodies:
-            continue
-        reach.add(c)
-        todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", bodies[c])
-    return reach, bodies
-
-
 def _all_reduces(hlo: str) -> tuple[int, int]:
     """(all-reduces inside conditional branches, all-reduces elsewhere)."""
-    in_branch, bodies = _conditional_branches(hlo)
-    inside = outside = 0
-    for comp, body in bodies.items():
-        n = len(re.findall(r" all-reduce(?:-start)?\(", body))
-        if comp in in_branch:
-            inside += n
-        else:
-            outside += n
-    return inside, outside
+    comps, _ = _hlo.computations(hlo)
+    inside = _hlo.reachable(comps, _hlo.branch_roots(comps))
+    return _hlo.count(comps, inside), _hlo.count(comps, set(comps) - inside)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

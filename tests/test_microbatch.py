@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-import re
-
+import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -362,50 +361,13 @@ def test_temp_memory_vs_optax_microbatching():
 
 # --------------------------------------------------------------- sharding
 
-_COLLECTIVE = re.compile(r"\ball-reduce(?:-start)?\(")
-_CALLS = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-    r"=%?([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-
 
 def _all_reduces(hlo: str) -> tuple[int, int]:
     """(all-reduces reachable from a while body, all-reduces in total)."""
-    comps: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if header:
-            name = header.group(1)
-            comps[name] = []
-        elif line.strip() == "}":
-            name = None
-        elif name is not None:
-            comps[name].append(line)
-    todo = [
-        b
-        for lines in comps.values()
-        for line in lines
-        if " while(" in line
-        for b in re.findall(r"body=%?([\w.\-]+)", line)
-    ]
-    assert todo, "no while loop in the compiled HLO"
-    seen = set()
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.add(c)
-        for line in comps[c]:
-            todo.extend(_CALLS.findall(line))
-            for group in _BRANCHES.findall(line):
-                todo.extend(x.strip().lstrip("%") for x in group.split(","))
-
-    def count(names):
-        return sum(len(_COLLECTIVE.findall(line)) for c in names for line in comps[c])
-
-    return count(seen), count(comps)
+    comps, _ = _hlo.computations(hlo)
+    bodies = _hlo.while_bodies(comps)
+    assert bodies, "no while loop in the compiled HLO"
+    return _hlo.count(comps, _hlo.reachable(comps, bodies)), _hlo.count(comps, comps)
 
 
 def _sharded_inputs(mesh):
