@@ -88,6 +88,13 @@ def initialize_distributed(
     Raises:
       RuntimeError: if a JAX backend is already initialised.
       ValueError: for a ``failure_timeout_s`` below 1.
+
+    Examples:
+      At the top of a training script, before any JAX array exists (not run
+      here: it starts the distributed runtime):
+
+      >>> import optax_accum
+      >>> optax_accum.initialize_distributed(failure_timeout_s=60)  # doctest: +SKIP
     """
     from jax._src import xla_bridge
 
@@ -191,6 +198,13 @@ def launch_local(
 
     Raises:
       ValueError: for ``num_processes`` < 1 or an empty ``argv``.
+
+    Examples:
+      >>> import sys, optax_accum
+      >>> code = "import os; print(os.environ['OPTAX_ACCUM_PROCESS_ID'])"
+      >>> run = optax_accum.launch_local([sys.executable, "-c", code], 2, echo=False)
+      >>> run.ok, [out.strip() for out in run.outputs]
+      (True, ['0', '1'])
     """
     if isinstance(num_processes, bool) or int(num_processes) < 1:
         raise ValueError(f"`num_processes` must be >= 1, got {num_processes!r}.")
