@@ -211,21 +211,15 @@ def _make_engine(
 
         # One fused elementwise pass per leaf. The first micro-batch of a
         # window overwrites the accumulator, so a reset is never read.
-        def add(grads, acc, scalars):
-            accept, fresh, coef, w = scalars
+        def add(g, a):
+            g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
+            if mean:
+                new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
+            else:
+                wg = w.astype(a.dtype) * g
+                new = jnp.where(fresh, wg, a + wg)
+            return jnp.where(accept, new, a)
 
-            def leaf(g, a):
-                g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
-                if mean:
-                    new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
-                else:
-                    wg = w.astype(a.dtype) * g
-                    new = jnp.where(fresh, wg, a + wg)
-                return jnp.where(accept, new, a)
-
-            return jax.tree.map(leaf, grads, acc)
-
-        scalars = (accept, fresh, coef if mean else w, w)
         micro = window.micro_step + accept.astype(jnp.int32)
         emit = jnp.logical_and(
             micro > 0, jnp.logical_or(micro >= k, jnp.asarray(close_window))
@@ -265,7 +259,7 @@ def _make_engine(
         # The cond only reads it and writes the updates and the inner state.
         # Routing the accumulator through the cond, or a separate reset pass,
         # costs XLA a full copy of it per micro-step.
-        acc = add(grads, window.accumulator, scalars)
+        acc = jax.tree.map(add, grads, window.accumulator)
 
         def on_boundary(acc, w_sum, inner_state, params, dynamic):
             g = cast_like(reduced(acc, w_sum), grads)
