@@ -12,6 +12,8 @@ from ._accumulate import state_specs as state_specs
 from ._distributed import LocalRun as LocalRun
 from ._distributed import initialize_distributed as initialize_distributed
 from ._distributed import launch_local as launch_local
+from ._layout import defer_reduction as defer_reduction
+from ._layout import state_shardings as state_shardings
 from ._lr import batch_size_warmup as batch_size_warmup
 from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
@@ -40,6 +42,7 @@ __all__ = [
     "accumulate",
     "batch_size_warmup",
     "compiled_memory_bytes",
+    "defer_reduction",
     "has_updated",
     "initialize_distributed",
     "launch_local",
@@ -48,5 +51,6 @@ __all__ = [
     "scale_learning_rate",
     "skip_large_updates",
     "skip_not_finite",
+    "state_shardings",
     "state_specs",
 ]

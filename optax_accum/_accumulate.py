@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from . import _layout
 from ._validation import (
     canonical_accumulator_dtype,
     check_every_k,
@@ -109,7 +110,7 @@ def _zeros(shapes: Any, counter: jax.Array) -> Any:
     """
     leaves, treedef = jax.tree.flatten(shapes)
     zeros = [
-        jnp.broadcast_to(jnp.where(counter == -(i + 1), 1, 0).astype(s.dtype), s.shape)
+        _layout.broadcast(jnp.where(counter == -(i + 1), 1, 0).astype(s.dtype), s)
         for i, s in enumerate(leaves)
     ]
     return jax.tree.unflatten(treedef, zeros)
@@ -123,9 +124,17 @@ def _make_engine(
     skip_fn: SkipFn | None,
     axis_name: Any,
     names: tuple[str, str] = ("every_k", "skip_fn"),
+    defer_axes: Any = None,
 ) -> _Engine:
     """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
     k_arg, skip_arg = names
+    defer = _layout.axes_of(defer_axes)
+    if defer and axis_name is not None:
+        raise ValueError(
+            "Pass either `axis_name` (inside shard_map/pmap) or `defer_axes` "
+            f"(global view), not both: got axis_name={axis_name!r}, "
+            f"defer_axes={defer_axes!r}."
+        )
     inner = optax.with_extra_args_support(inner)
     check_every_k(every_k, arg=k_arg)
     check_reduction(reduction)
@@ -136,8 +145,11 @@ def _make_engine(
     slot = () if axis_name is None else (1,)
 
     def acc_like(x: jax.Array) -> jax.Array:
+        # Each buffer has its parameter's sharding (unreduced over the
+        # deferred axes): never a replicated copy of a sharded parameter.
         dtype = x.dtype if acc_dtype is None else acc_dtype
-        return jnp.zeros(slot + jnp.shape(x), dtype)
+        zeros = _layout.zeros_like(x, dtype, _layout.deferrable(x, defer))
+        return jnp.reshape(zeros, slot + jnp.shape(x)) if slot else zeros
 
     def local(x: Any) -> Any:
         return jax.tree.map(lambda a: jnp.reshape(a, slot + jnp.shape(a)), x)
@@ -183,6 +195,7 @@ def _make_engine(
                     "`grads` leaf shapes must match the state's accumulator: got "
                     f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]}."
                 )
+        _layout.check_like(grads, window.accumulator, len(slot))
         w = check_weight(weight)
 
         if skip_fn is None:
@@ -214,9 +227,9 @@ def _make_engine(
         def add(g, a):
             g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
             if mean:
-                new = jnp.where(fresh, g, a + coef.astype(a.dtype) * (g - a))
+                new = jnp.where(fresh, g, _layout.lerp(a, g, coef))
             else:
-                wg = w.astype(a.dtype) * g
+                wg = _layout.scale(g, w)
                 new = jnp.where(fresh, wg, a + wg)
             return jnp.where(accept, new, a)
 
@@ -232,6 +245,8 @@ def _make_engine(
 
         def reduced(acc, w_sum):
             acc = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), acc)
+            # The deferred data-parallel reduction, once per update.
+            acc = jax.tree.map(_layout.finish, acc)
             if axis_name is None:
                 out = acc
                 if mean:
@@ -267,7 +282,11 @@ def _make_engine(
             return updates, cast_like(new_inner, inner_state)
 
         updates_shape = jax.eval_shape(
-            lambda *a: inner_update(*a)[0], grads, window.inner_state, params, dynamic
+            lambda g, *a: inner_update(jax.tree.map(_layout.finish, g), *a)[0],
+            grads,
+            window.inner_state,
+            params,
+            dynamic,
         )
 
         def on_hold(acc, w_sum, inner_state, params, dynamic):
@@ -297,6 +316,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     skip_fn: SkipFn | None = None,
     axis_name: Any = None,
+    defer_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates gradients over ``every_k`` micro-steps, then runs ``inner``.
 
@@ -340,6 +360,17 @@ def accumulate(
         ``pmean`` the gradients yourself: each device accumulates its own and
         the weighted cross-device reduction runs once, in the boundary branch.
         With ``skip_fn`` the devices also agree on skipping (a scalar psum).
+      defer_axes: in a global-view ``jit`` step on an Explicit mesh, the mesh
+        axis (or axes) that shard the batch, when the gradients come from
+        ``jax.grad(loss)(optax_accum.defer_reduction(params, axes), batch)``:
+        they are then unreduced over those axes (each device's partial sum),
+        the accumulator keeps them so (with its parameter's sharding
+        otherwise), and the one all-reduce runs in the boundary branch.
+
+    Sharded parameters: the accumulator, and the zeros of a hold step, have
+    exactly their parameter's sharding (under an Explicit mesh this follows
+    from the types; under an Auto mesh, initialise with
+    ``jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -366,7 +397,13 @@ def accumulate(
       True
     """
     engine = _make_engine(
-        inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name
+        inner,
+        every_k,
+        reduction,
+        accumulator_dtype,
+        skip_fn,
+        axis_name,
+        defer_axes=defer_axes,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _layout
 from ._microbatch_sharding import (
     batch_mesh,
     device_local,
@@ -87,6 +88,7 @@ def microbatch(
     axis_name: Any = None,
     rng_argnums: int | Sequence[int] = (),
     mesh_axes: MeshAxes | None = "auto",
+    param_gather: str | None = None,
 ) -> Callable[..., Any]:
     r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
 
@@ -115,22 +117,39 @@ def microbatch(
     such as Flax's ``{"dropout": key}``) reach micro-batch ``i`` as
     ``jax.random.fold_in(key, i)``, so each micro-batch draws its own dropout.
 
-    **Sharding.** Under ``jit`` with an Explicit mesh (``jax.make_mesh``'s
-    default) and a batch sharded along axis 0 (``mesh_axes="auto"``), the loop
-    runs per device inside ``jax.shard_map``: gradients stay local during the
-    loop and are all-reduced once after it. ``fun`` then sees the device's part
-    of each micro-batch, a smaller batch, so it must be a mean over rows (or a
-    ``w``-weighted mean with ``weight_fn`` a count, which adds over rows);
-    anything that couples rows (BatchNorm statistics) sees the device's rows
-    only, and keys are further folded with the device index. ``aux`` leaves
-    with the micro-batch's rows on axis 0 are gathered; other floating leaves
-    are (weighted) averaged over devices, integer leaves summed. With an Auto
-    mesh the sharding is not visible at trace time: pass the mesh axes, e.g.
-    ``mesh_axes="data"`` (under ``jax.set_mesh``). ``mesh_axes=None`` runs
-    ``fun`` on whole micro-batches and leaves communication to the compiler
-    (one all-reduce per micro-batch). Inside ``shard_map`` or ``pmap``, pass
-    ``axis_name``: each device accumulates its own micro-batches and the
-    weighted reduction over devices runs once, after the loop.
+    **Sharding.** By default (``mesh_axes="auto"``, or ``None``) the loop
+    runs in the global view, on any mesh and any parameter layout: ``fun``
+    sees whole micro-batches, so its result is exactly the full batch's
+    whatever it does with rows (means, sums, BatchNorm statistics), and the
+    sharding annotations in ``fun`` keep their meaning. Buffers (the carry)
+    have exactly the gradients' shardings: FSDP or tensor-parallel gradients
+    accumulate sharded, never replicated. A micro-batch with fewer rows than
+    the devices that shard the batch is computed on fewer devices. The cost:
+    the compiler reduces data-parallel gradients inside the loop, once per
+    micro-batch. Naming the mesh axes that shard the batch but not the
+    parameters, ``mesh_axes="data"``, declares that ``fun`` treats rows
+    independently (a mean over rows, or a ``w``-weighted mean with
+    ``weight_fn`` a count): the loop then runs per device inside
+    ``jax.shard_map`` over those axes, gradients stay local and one
+    all-reduce follows the loop. ``fun`` then sees the device's part of each
+    micro-batch, anything that couples rows (BatchNorm statistics) sees the
+    device's rows only, keys are further folded with the device index, and
+    inside ``fun`` the named axes are Manual (annotations must not name
+    them; other axes, e.g. ``"fsdp"`` or ``"model"``, keep their sharding).
+    ``aux`` leaves with the micro-batch's rows on axis 0 are gathered; other
+    floating leaves are (weighted) averaged over devices, integer leaves
+    summed. Under an Auto mesh, call it under ``jax.set_mesh``. Inside
+    ``shard_map`` or ``pmap``, pass ``axis_name``: each device accumulates
+    its own micro-batches and the weighted reduction over devices runs
+    once, after the loop.
+
+    **FSDP.** Parameters sharded over the batch's mesh axes (FSDP, HSDP) are
+    gathered by ``fun`` per micro-batch, one layer at a time, as FSDP
+    promises (``param_gather="per_micro_batch"``, the default under an
+    Explicit mesh when a parameter is sharded so): the loop's inputs pass an
+    optimization barrier, so XLA cannot hoist the gathers out of the loop
+    and keep every gathered weight resident. ``param_gather="once"`` lets it:
+    one gather per step, the whole gathered model in memory.
 
     Args:
       fun: a value-and-grad function, e.g. ``jax.value_and_grad(loss)``.
@@ -145,8 +164,11 @@ def microbatch(
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or axes) to
         reduce over once, after the loop.
       rng_argnums: positional argument(s) of ``fun`` holding PRNG keys.
-      mesh_axes: ``"auto"``, ``None`` or the mesh axes the batch is sharded
-        over (see above).
+      mesh_axes: ``"auto"`` or ``None`` (the global view), or the mesh axes
+        to run the device-local loop over (see above).
+      param_gather: ``"per_micro_batch"``, ``"once"`` or ``None`` (the
+        former where parameters are sharded over the batch's Explicit mesh
+        axes, else the latter). See FSDP above.
 
     Returns:
       A function with ``fun``'s signature.
@@ -181,6 +203,7 @@ def microbatch(
         axis_name=axis_name,
         rng_argnums=rng_argnums,
         mesh_axes=mesh_axes,
+        param_gather=param_gather,
         stateful=False,
     )
 
@@ -211,6 +234,7 @@ def _build(
     axis_name: Any = None,
     rng_argnums: int | Sequence[int] = (),
     mesh_axes: MeshAxes | None = "auto",
+    param_gather: str | None = None,
     stateful: bool,
 ) -> Callable[..., Any]:
     if not callable(fun):
@@ -230,6 +254,11 @@ def _build(
     if weight_fn is not None and not callable(weight_fn):
         raise TypeError(f"`weight_fn` must be callable or None, got {weight_fn!r}.")
     axes_mode = _mesh_axes(mesh_axes)
+    if param_gather not in (None, "per_micro_batch", "once"):
+        raise ValueError(
+            '`param_gather` must be "per_micro_batch", "once" or None, got '
+            f"{param_gather!r}."
+        )
     if axis_name is not None and isinstance(axes_mode, tuple):
         raise ValueError(
             "Pass either `axis_name` (inside shard_map/pmap) or `mesh_axes`, "
@@ -292,14 +321,25 @@ def _build(
         """The scan. ``axes``: mesh axes to reduce over after it, if any."""
         views = {
             i: jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]), args[i]
+                lambda x: _layout.splittable(x, k).reshape(
+                    x.shape[0] // k, k, *x.shape[1:]
+                ),
+                args[i],
             )
             for i in batch_idx
         }
+        barrier = gather_per_micro_batch(args)
         device = lax.axis_index(axes) if local else None
 
         def micro_args(i: jax.Array) -> list:
             margs = list(args)
+            if barrier:
+                # Tie the other inputs to the loop index: work on them (the
+                # FSDP all-gathers) cannot be hoisted out of the loop.
+                fixed = [j for j in range(len(args)) if j not in batch_idx]
+                held, _ = lax.optimization_barrier(([args[j] for j in fixed], i))
+                for j, x in zip(fixed, held, strict=True):
+                    margs[j] = x
             for j in batch_idx:
                 margs[j] = jax.tree.map(
                     lambda v: lax.dynamic_index_in_dim(v, i, 1, keepdims=False),
@@ -324,7 +364,7 @@ def _build(
         v_shape, g_shape = shapes[0], shapes[1]
 
         def zeros(s, dtype):
-            z = jnp.zeros(s.shape, dtype)
+            z = _layout.zeros_for(s, dtype)
             vary = tuple(getattr(s.manual_axis_type, "varying", ()) or ())
             return lax.pcast(z, vary, to="varying") if vary else z
 
@@ -375,6 +415,13 @@ def _build(
         grads = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_g, g_shape)
         return value, grads, aux, ws, state
 
+    def gather_per_micro_batch(args: list) -> bool:
+        if param_gather is not None:
+            return param_gather == "per_micro_batch"
+        batch_axes = _layout.row_axes([args[i] for i in batch_idx])
+        others = [a for i, a in enumerate(args) if i not in batch_idx]
+        return bool(batch_axes and _layout.sharded_over(others, sorted(batch_axes)))
+
     def pack(value, grads, aux, state):
         out = ((value, aux), grads) if has_aux else (value, grads)
         return (out, state) if stateful else out
@@ -406,13 +453,12 @@ def _build(
                 args, kwargs, user_axes, 1.0, False, state
             )
             return pack(value, grads, aux, state)
-        if axes_mode is not None:
+        if isinstance(axes_mode, tuple):
             found = batch_mesh(args, kwargs, state, batch_idx, axes_mode, mesh_axes)
-            if found is not None:
-                value, grads, aux, state = device_local(
-                    run, call, args, kwargs, state, *found, size, k, batch_idx, has_aux
-                )
-                return pack(value, grads, aux, state)
+            value, grads, aux, state = device_local(
+                run, call, args, kwargs, state, *found, size, k, batch_idx, has_aux
+            )
+            return pack(value, grads, aux, state)
         value, grads, aux, _, state = run(args, kwargs, None, 1.0, False, state)
         return pack(value, grads, aux, state)
 

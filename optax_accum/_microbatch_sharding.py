@@ -17,8 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from . import _layout
 
 
 def _is_array(x: Any) -> bool:
@@ -32,32 +34,6 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _explicit_batch_axes(batch: list, others: list) -> tuple[Any, tuple] | None:
-    """The mesh and Explicit mesh axes that shard axis 0 of every batch leaf."""
-    found = set()
-    mesh = None
-    for x in batch:
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
-            return None
-        axes = spec_axes(sharding.spec[0] if len(sharding.spec) else None)
-        types = dict(
-            zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True)
-        )
-        if not axes or any(types[a] != AxisType.Explicit for a in axes):
-            return None
-        found.add(axes)
-        mesh = sharding.mesh
-    if len(found) != 1:
-        return None
-    (axes,) = found
-    for x in others:
-        spec = getattr(jax.typeof(x).sharding, "spec", ())
-        if any(set(spec_axes(e)) & set(axes) for e in spec):
-            return None  # e.g. FSDP parameters: leave the layout to the compiler.
-    return mesh, axes
-
-
 def batch_mesh(
     args: list,
     kwargs: dict,
@@ -66,26 +42,42 @@ def batch_mesh(
     axes_mode: str | tuple[str, ...],
     mesh_axes: Any,
 ) -> tuple[Any, tuple] | None:
-    """The mesh and axes to run the device-local loop over, or None.
+    """The mesh and the named axes to run the device-local loop over.
 
-    ``axes_mode`` is ``"auto"`` (read the batch's Explicit sharding) or the
-    checked ``mesh_axes`` tuple (take the mesh from ``jax.set_mesh``);
-    ``mesh_axes`` is the user's value, for the error message.
+    ``axes_mode`` is the checked ``mesh_axes`` tuple; ``mesh_axes`` is the
+    user's value, for the error messages. The mesh comes from
+    ``jax.set_mesh`` or the batch's sharding. Parameters sharded over the
+    named axes (FSDP) are refused: the loop would gather them whole.
     """
-    batch = [x for i in batch_idx for x in jax.tree.leaves(args[i])]
-    others = [
-        x
-        for i, a in enumerate(args)
-        if i not in batch_idx
-        for x in jax.tree.leaves(a)
-        if _is_array(x)
-    ] + [x for x in jax.tree.leaves((kwargs, state)) if _is_array(x)]
-    if axes_mode == "auto":
-        return _explicit_batch_axes(batch, others)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
+        meshes = [
+            s.mesh
+            for i in batch_idx
+            for x in jax.tree.leaves(args[i])
+            if isinstance(s := getattr(jax.typeof(x), "sharding", None), NamedSharding)
+            and not s.mesh.empty
+        ]
+        if not meshes:
+            raise ValueError(
+                f"`mesh_axes`={mesh_axes!r} needs a mesh: call under "
+                "`jax.set_mesh(mesh)`."
+            )
+        mesh = meshes[0]
+    missing = [a for a in axes_mode if a not in mesh.axis_names]
+    if missing:
         raise ValueError(
-            f"`mesh_axes`={mesh_axes!r} needs a mesh: call under `jax.set_mesh(mesh)`."
+            f"`mesh_axes`={mesh_axes!r} names {missing}, not axes of the mesh "
+            f"{mesh.axis_names}."
+        )
+    others = [a for i, a in enumerate(args) if i not in batch_idx]
+    clash = _layout.sharded_over((others, kwargs, state), axes_mode)
+    if clash:
+        raise ValueError(
+            f"`mesh_axes`={mesh_axes!r} must name only mesh axes that shard the "
+            "batch but no parameter: the device-local loop would gather these "
+            f"whole: {clash}. Name the pure data-parallel axes (HSDP: "
+            '`mesh_axes="data"`), or keep the global view (`mesh_axes="auto"`).'
         )
     return mesh, axes_mode
 

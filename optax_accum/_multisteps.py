@@ -56,6 +56,8 @@ class MultiSteps:
         ``optax_accum.skip_not_finite``: ``fn(updates, gradient_step, params)``
         returning ``(should_skip, skip_state)`` (or just ``should_skip``).
       accumulator_dtype: dtype of the accumulator, float32 by default.
+      defer_axes: as in `accumulate`: the mesh axes over which the gradients
+        arrive unreduced (from `defer_reduction`), reduced once per update.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -75,6 +77,7 @@ class MultiSteps:
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., Any] | None = None,
         accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
+        defer_axes: Any = None,
     ):
         self._opt = optax.with_extra_args_support(opt)
         self._engine = _make_engine(
@@ -85,6 +88,7 @@ class MultiSteps:
             should_skip_update_fn,
             None,
             names=("every_k_schedule", "should_skip_update_fn"),
+            defer_axes=defer_axes,
         )
 
     @property

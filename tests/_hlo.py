@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import numpy as np
+
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
@@ -81,3 +83,77 @@ def while_bodies(comps: dict[str, list[str]]) -> set[str]:
 def count(comps: dict[str, list[str]], names: Iterable[str], pattern=ALL_REDUCE) -> int:
     """Matches of ``pattern`` in the named computations."""
     return sum(len(pattern.findall(line)) for c in names for line in comps[c])
+
+
+COLLECTIVE = re.compile(
+    r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+_GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[^=]*?\})\}")
+_GROUPS_IOTA = re.compile(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+)
+
+
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    """``replica_groups=mesh['a'=n,...](, device_ids=(...)) {'a',...}``."""
+    names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    sizes = [int(n) for _, n in names]
+    ids = np.arange(int(np.prod(sizes)))
+    if m.group(2):
+        dims = [int(v) for v in m.group(2).split(",")]
+        ids = ids.reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+    ids = ids.reshape(sizes)
+    over = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(4)]
+    rest = [i for i in range(len(names)) if i not in over]
+    size = int(np.prod([sizes[i] for i in over])) if over else 1
+    return ids.transpose(rest + over).reshape(-1, size).tolist()
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        return _mesh_groups(mesh)
+    iota = _GROUPS_IOTA.search(line)
+    if iota:
+        shape = [int(v) for v in iota.group(1).split(",")]
+        dims = [int(v) for v in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    listed = _GROUPS_LIST.search(line)
+    if listed:
+        return [
+            [int(v) for v in g.split(",") if v.strip()]
+            for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1))
+        ]
+    return [list(range(num_devices))]  # replica_groups={}: every device
+
+
+def collectives(
+    comps: dict[str, list[str]], names: Iterable[str], num_devices: int
+) -> list[tuple[str, list[list[int]]]]:
+    """Each collective in the named computations: (op, its device groups)."""
+    found = []
+    for c in names:
+        for line in comps[c]:
+            m = COLLECTIVE.search(line)
+            if m and "-done(" not in line:
+                found.append((m.group(1), _groups(line, num_devices)))
+    return found
+
+
+def crosses(groups: list[list[int]], mesh, axis: str) -> bool:
+    """Whether a group holds devices at different coordinates along ``axis``."""
+    where = {d.id: i for i, d in np.ndenumerate(mesh.devices)}
+    k = mesh.axis_names.index(axis)
+    return any(len({where[d][k] for d in g}) > 1 for g in groups)

@@ -1,0 +1,329 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Where gradients live on a mesh: the one module that knows about sharding.
+
+The engines (`accumulate`, `microbatch`) ask this module three things:
+
+- how to make a per-parameter buffer (the accumulator, the zeros of a hold
+  step, the scan carry) with exactly its parameter's sharding, never
+  replicated;
+- which mesh axes shard the batch but not a given parameter: the gradient's
+  reduction over those axes is pure data parallelism, and it can be deferred
+  to once per update with JAX's ``reduced``/``unreduced`` types (a parameter
+  marked ``reduced`` over an axis gets a gradient ``unreduced`` over it: each
+  device keeps its partial sum, and one ``reshard`` sums them);
+- the arithmetic on unreduced partial sums (only linear maps with scalars
+  typed ``reduced`` are allowed on them), and the final reduction.
+
+Collectives that belong to the parameters' own sharding (the all-gather of
+FSDP weights, the reduce-scatter of their gradients) are the user's loss's,
+per micro-batch, and are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def axes_of(axes: Any) -> tuple[str, ...]:
+    """Mesh axis names from a name, a tuple of names or None."""
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _sharding(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)  # a ShapeDtypeStruct
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        try:
+            sharding = jax.typeof(x).sharding
+        except TypeError:  # not a JAX type
+            return None
+    return sharding
+
+
+def explicit_spec(x: Any) -> P | None:
+    """``x``'s PartitionSpec when it lives on a mesh with Explicit axes."""
+    sharding = _sharding(x)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
+        return None
+    return sharding.spec
+
+
+def used_axes(spec: P | None) -> set[str]:
+    """Mesh axes that shard some dimension under ``spec``."""
+    if spec is None:
+        return set()
+    return {a for entry in spec.partitions for a in axes_of(entry)}
+
+
+def unreduced(x: Any) -> frozenset:
+    """Mesh axes over which ``x`` holds unreduced partial sums."""
+    spec = explicit_spec(x)
+    return frozenset(getattr(spec, "unreduced", ()) or ()) if spec else frozenset()
+
+
+def deferrable(x: Any, axes: Sequence[str]) -> frozenset:
+    """Of ``axes``, those that do not shard ``x``: its gradient's pure
+    data-parallel reduction over them can wait."""
+    spec = explicit_spec(x)
+    if spec is None or not jnp.issubdtype(jnp.result_type(x.dtype), jnp.inexact):
+        return frozenset()
+    return frozenset(a for a in axes if a not in used_axes(spec))
+
+
+def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> Any:
+    """Zeros with ``x``'s shape and sharding (optionally unreduced)."""
+    if not unreduced_axes:
+        return jnp.zeros_like(x, dtype=dtype)
+    spec = explicit_spec(x).update(unreduced=unreduced_axes)
+    return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
+
+
+def _annotation(like: Any) -> P | None:
+    """``like``'s spec where it says more than 'replicated', else None (which
+    also suits shard_map bodies and meshless code)."""
+    spec = explicit_spec(like)
+    if spec is not None and not (used_axes(spec) or spec.unreduced or spec.reduced):
+        return None
+    return spec
+
+
+def broadcast(scalar: jax.Array, like: Any) -> jax.Array:
+    """``scalar`` broadcast to ``like``'s shape and sharding, in one write."""
+    return jnp.broadcast_to(scalar, like.shape, out_sharding=_annotation(like))
+
+
+def zeros_for(like: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``like``'s shape (a ShapeDtypeStruct too) and sharding."""
+    return jnp.zeros(like.shape, dtype, out_sharding=_annotation(like))
+
+
+def mesh_size(mesh: Any, axes: Sequence[str]) -> int:
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def splittable(x: jax.Array, k: int) -> jax.Array:
+    """``x`` resharded, if needed, so that ``(B, ...) -> (B/k, k, ...)`` keeps
+    its rows sharded: over the longest prefix of its batch axes whose device
+    count divides the micro-batch size ``B/k`` (micro-batches smaller than the
+    device count are then computed on fewer devices, not refused)."""
+    spec = explicit_spec(x)
+    if spec is None or not spec.partitions or spec.partitions[0] is None:
+        return x
+    axes = axes_of(spec.partitions[0])
+    mesh = jax.typeof(x).sharding.mesh
+    rows = x.shape[0] // k
+    keep = axes
+    while keep and rows % mesh_size(mesh, keep):
+        keep = keep[:-1]
+    if keep == axes:
+        return x
+    return jax.sharding.reshard(x, P(keep or None, *spec.partitions[1:]))
+
+
+def row_axes(tree: Any) -> set[str]:
+    """The Explicit mesh axes that shard axis 0 of some leaf of ``tree``."""
+    found = set()
+    for x in jax.tree.leaves(tree):
+        spec = explicit_spec(x)
+        if spec is not None and spec.partitions:
+            found |= set(axes_of(spec.partitions[0]))
+    return found
+
+
+def sharded_over(tree: Any, axes: Sequence[str]) -> list[str]:
+    """Leaves of ``tree`` (by path) that an Explicit mesh shards over ``axes``."""
+    found = []
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if used_axes(explicit_spec(x)) & set(axes):
+            found.append(f"{jax.tree_util.keystr(path)}: {explicit_spec(x)}")
+    return found
+
+
+def for_partial(scalar: jax.Array, like: Any) -> jax.Array:
+    """``scalar`` typed to multiply ``like``: reduced where ``like`` is unreduced."""
+    axes = unreduced(like)
+    if not axes:
+        return scalar
+    return jax.sharding.reshard(scalar, P(reduced=axes))
+
+
+def lerp(a: jax.Array, g: jax.Array, coef: jax.Array) -> jax.Array:
+    """``a + coef * (g - a)``: the running-mean step, also on partial sums."""
+    if not unreduced(a):
+        return a + coef.astype(a.dtype) * (g - a)
+    # Unreduced values admit only sums and products with reduced scalars.
+    one_minus = for_partial((1 - coef).astype(a.dtype), a)
+    return a * one_minus + g * for_partial(coef.astype(a.dtype), a)
+
+
+def scale(g: jax.Array, w: jax.Array) -> jax.Array:
+    """``w * g`` for a scalar ``w``, also on partial sums."""
+    return g * for_partial(w.astype(g.dtype), g)
+
+
+def finish(x: jax.Array) -> jax.Array:
+    """Sums ``x``'s partial sums: the one deferred reduction (an all-reduce,
+    or a reduce-scatter into the parameter's sharding)."""
+    axes = unreduced(x)
+    if not axes:
+        return x
+    spec = explicit_spec(x)
+    return jax.sharding.reshard(x, spec.update(unreduced=frozenset()))
+
+
+def defer_reduction(params: optax.Params, axes: Any) -> optax.Params:
+    """Marks parameters so that their gradients stay unreduced over ``axes``.
+
+    In a global-view ``jax.jit`` step on an Explicit mesh, ``jax.grad``
+    all-reduces each gradient over the mesh axes that shard the batch. Call
+    ``jax.grad(loss)(defer_reduction(params, "data"), batch)`` instead and the
+    gradients come back *unreduced* over ``"data"`` (each device keeps its
+    partial sum): `accumulate` with ``defer_axes="data"`` adds them up locally
+    and reduces once, in the boundary step. Leaves sharded over an axis (FSDP)
+    keep that axis: their reduce-scatter is part of FSDP and stays per call.
+
+    Args:
+      params: the parameters, sharded on an Explicit mesh.
+      axes: the mesh axis (or axes) that shard the batch.
+
+    Returns:
+      ``params`` with each floating leaf typed ``reduced`` over those of
+      ``axes`` that do not shard it; the values are unchanged.
+
+    Raises:
+      ValueError: if ``axes`` names no axis of an Explicit mesh.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> with jax.set_mesh(mesh):
+      ...     w = jax.device_put(jnp.ones(3), P())
+      ...     x = jax.device_put(jnp.ones((4, 3)), P("data"))
+      ...     g = jax.jit(lambda w, x: jax.grad(lambda w: jnp.mean(x @ w))(
+      ...         optax_accum.defer_reduction(w, "data")))(w, x)
+      >>> jax.typeof(g).sharding.spec.unreduced
+      frozenset({'data'})
+    """
+    names = axes_of(axes)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not names or any(
+        n not in mesh.axis_names or mesh._name_to_type[n] != AxisType.Explicit
+        for n in names
+    ):
+        raise ValueError(
+            f"`axes` must name Explicit axes of the current mesh, got {axes!r} "
+            f"(mesh axes {mesh.axis_names}, types {mesh.axis_types}); call under "
+            "`jax.set_mesh(mesh)`."
+        )
+
+    def mark(x):
+        extra = deferrable(x, names)
+        if not extra:
+            return x
+        spec = explicit_spec(x)
+        return jax.sharding.reshard(x, spec.update(reduced=spec.reduced | extra))
+
+    return jax.tree.map(mark, params)
+
+
+def _canonical(spec: P, ndim: int) -> tuple:
+    """``spec`` in a form where ``P()`` and ``P(None, None)`` compare equal."""
+    entries = [axes_of(e) or None for e in spec.partitions]
+    entries += [None] * (ndim - len(entries))
+    return tuple(entries), frozenset(spec.unreduced), frozenset(spec.reduced)
+
+
+def check_like(grads: Any, accumulator: Any, slot: int) -> None:
+    """Raises when a gradient's sharding differs from its accumulator's."""
+    paths = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), a in zip(paths, jax.tree.leaves(accumulator), strict=True):
+        gs, as_ = explicit_spec(g), explicit_spec(a)
+        if gs is None or as_ is None or slot:
+            continue
+        if _canonical(gs, jnp.ndim(g)) != _canonical(as_, jnp.ndim(a)):
+            raise ValueError(
+                f"`grads`{jax.tree_util.keystr(path)} has sharding {gs}, but its "
+                f"accumulator has {as_}: the gradients must be sharded like the "
+                "parameters the state was initialised with"
+                + (
+                    " (unreduced gradients need `defer_axes` on the transformation,"
+                    " and `defer_axes` needs gradients from `defer_reduction`)."
+                    if gs.unreduced != as_.unreduced
+                    else "."
+                )
+            )
+
+
+def state_shardings(tx: Any, params: optax.Params) -> Any:
+    """The shardings of ``tx.init(params)``: each buffer like its parameter.
+
+    Under an Auto mesh, ``jax.jit(tx.init)`` leaves the placement of buffers
+    that do not depend on the parameters' values (zeros: the accumulator,
+    Adam's moments) to the compiler, which replicates them. Pass these to
+    ``out_shardings`` (or to Orbax's restore as the target shardings): every
+    subtree of the state with the parameters' structure and shapes gets the
+    parameters' shardings, every other leaf is replicated. This is what optax
+    asks users to do by hand with ``optax.tree_map_params``.
+
+    Args:
+      tx: an optimizer (anything with ``init``), e.g. `accumulate(...)`.
+      params: the parameters, placed on the mesh (or ``ShapeDtypeStruct`` s
+        with shardings).
+
+    Returns:
+      A pytree of ``NamedSharding`` with the structure of the state.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, optax_accum
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Auto,),
+      ...                      devices=jax.devices()[:2])
+      >>> sharding = NamedSharding(mesh, P("fsdp"))
+      >>> params = {"w": jax.device_put(jnp.ones((4, 2)), sharding)}
+      >>> tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+      >>> shardings = optax_accum.state_shardings(tx, params)
+      >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
+      >>> state.accumulator["w"].sharding.spec, state.micro_step.sharding.spec
+      (P('fsdp',), P())
+    """
+    p_leaves, p_def = jax.tree.flatten(params)
+    p_shardings = [x.sharding for x in p_leaves]
+    meshes = [s.mesh for s in p_shardings if isinstance(s, NamedSharding)]
+    if not meshes:
+        raise ValueError(
+            "`params` must be placed with NamedShardings on a mesh, got "
+            f"{[type(s).__name__ for s in p_shardings]}."
+        )
+    replicated = NamedSharding(meshes[0], P())
+    p_shapes = [(jnp.shape(x), jnp.result_type(x.dtype)) for x in p_leaves]
+    state = jax.eval_shape(tx.init, params)
+
+    def like_params(node: Any) -> bool:
+        leaves, treedef = jax.tree.flatten(node)
+        return (
+            treedef == p_def
+            and bool(leaves)
+            and [jnp.shape(x) for x in leaves] == [s for s, _ in p_shapes]
+        )
+
+    def assign(node: Any) -> Any:
+        if like_params(node):
+            return jax.tree.unflatten(p_def, p_shardings)
+        return jax.tree.map(lambda _: replicated, node)
+
+    return jax.tree.map(assign, state, is_leaf=like_params)
