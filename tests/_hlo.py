@@ -139,21 +139,42 @@ def _groups(line: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]  # replica_groups={}: every device
 
 
+_ARRAY = re.compile(r"\b(pred|[a-z]+)(\d*)\[([\d,]*)\]")
+
+
+def payload_bytes(line: str) -> int:
+    """Bytes of an instruction's result (all arrays of a tuple result)."""
+    rest = line.split("=", 1)[1].strip() if "=" in line else ""
+    # A tuple result reads up to its closing paren, an array up to the op's.
+    result = rest.split(")", 1)[0] if rest.startswith("(") else rest.split("(", 1)[0]
+    total = 0
+    for kind, bits, dims in _ARRAY.findall(result):
+        n = int(np.prod([int(d) for d in dims.split(",") if d]))
+        total += n * (1 if kind == "pred" else int(bits or 8) // 8)
+    return total
+
+
 def collectives(
     comps: dict[str, list[str]], names: Iterable[str], num_devices: int
-) -> list[tuple[str, list[list[int]]]]:
-    """Each collective in the named computations: (op, its device groups)."""
+) -> list[tuple[str, list[list[int]], int]]:
+    """Each collective in the named computations: (op, device groups, bytes)."""
     found = []
     for c in names:
         for line in comps[c]:
             m = COLLECTIVE.search(line)
             if m and "-done(" not in line:
-                found.append((m.group(1), _groups(line, num_devices)))
+                found.append(
+                    (m.group(1), _groups(line, num_devices), payload_bytes(line))
+                )
     return found
 
 
 def crosses(groups: list[list[int]], mesh, axis: str) -> bool:
-    """Whether a group holds devices at different coordinates along ``axis``."""
-    where = {d.id: i for i, d in np.ndenumerate(mesh.devices)}
+    """Whether a group holds devices at different coordinates along ``axis``.
+
+    SPMD programs name devices by their position in the mesh's device order
+    (the compiled program's device assignment), not by ``Device.id``.
+    """
+    where = dict(enumerate(np.ndindex(mesh.devices.shape)))
     k = mesh.axis_names.index(axis)
     return any(len({where[d][k] for d in g}) > 1 for g in groups)

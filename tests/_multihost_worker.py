@@ -141,7 +141,8 @@ def main(out_dir: str) -> None:
     )
 
     # (2) microbatch under jit, the whole update's batch sharded over 4 devices.
-    vg = optax_accum.microbatch(jax.value_and_grad(loss), K)
+    # Naming the data axis runs the device-local loop (the loss is a row mean).
+    vg = optax_accum.microbatch(jax.value_and_grad(loss), K, mesh_axes="d")
 
     @jax.jit
     def mb_step(p, s, x, y):
@@ -166,17 +167,121 @@ def main(out_dir: str) -> None:
     # (3) the Flax nnx train step (microbatch inside), same MLP and data.
     results["nnx"] = _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows)
 
+    # (4) HSDP: the data axis across the processes, FSDP within each.
+    hsdp, hsdp_counts = _hsdp(params0, loss, xs, ys, update_rows, ref)
+    results.update(hsdp)
+    counts.update(hsdp_counts)
+
     # Baselines for the README's cost table (compiled only, not run).
     counts.update(_baselines(mesh, params0, loss, own_rows, xs, ys, specs))
 
+    gather = jax.jit(lambda t: t, out_shardings=replicated)
     flat = {
-        f"{name}/{key}": np.asarray(v.addressable_data(0))
+        f"{name}/{key}": np.asarray(
+            (v if v.is_fully_replicated else gather(v)).addressable_data(0)
+        )
         for name, tree in results.items()
         for key, v in tree.items()
     }
     np.savez(os.path.join(out_dir, f"process_{pid}.npz"), **flat)
     print("ALL_REDUCES " + json.dumps(counts), flush=True)
     print(f"process {pid}: done", flush=True)
+
+
+def _hsdp(params0, loss, xs, ys, update_rows, reference):
+    """``microbatch`` and ``accumulate`` on a (data=2 processes, fsdp=2) mesh.
+
+    Weights are FSDP-sharded over "fsdp" and gathered in the loss; the batch
+    rows are sharded over ("data", "fsdp"). Returns the trained parameters
+    and, per face, the collectives that cross the data axis (count, bytes).
+    """
+    import _hlo
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, reshard
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
+    for i in range(2):  # the data axis is the process axis
+        assert {d.process_index for d in mesh.devices[i]} == {i}
+    specs = {"w1": P("fsdp", None), "b1": P(), "w2": P("fsdp", None), "b2": P()}
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+
+    def fsdp_loss(p, batch):
+        return loss({k: reshard(v, P()) for k, v in p.items()}, batch)
+
+    def place(tree):
+        return {
+            k: jax.make_array_from_callback(
+                np.shape(v), NamedSharding(mesh, specs[k]), lambda i, v=v: v[i]
+            )
+            for k, v in tree.items()
+        }
+
+    def own(a):
+        return jax.make_array_from_callback(a.shape, rows, lambda i: a[i])
+
+    def crossing(compiled):
+        comps, _ = _hlo.computations(compiled.as_text())
+        loops = _hlo.reachable(comps, _hlo.while_bodies(comps))
+        conds = _hlo.reachable(comps, _hlo.branch_roots(comps))
+        out = {}
+        for where, names in (
+            ("in_loop", loops),
+            ("in_cond", conds - loops),
+            ("every_call", set(comps) - loops - conds),
+        ):
+            found = [
+                c
+                for c in _hlo.collectives(comps, names, 4)
+                if _hlo.crosses(c[1], mesh, "data")
+            ]
+            out[where] = len(found)
+            out[f"{where}_bytes"] = sum(c[2] for c in found)
+        return out
+
+    tx = optax.adam(LR)
+    results, counts = {}, {}
+    with jax.set_mesh(mesh):
+        vg = optax_accum.microbatch(jax.value_and_grad(fsdp_loss), K, mesh_axes="data")
+
+        @jax.jit
+        def mb_step(p, s, x, y):
+            _, g = vg(p, (x, y))
+            upd, s = tx.update(g, s, p)
+            return optax.apply_updates(p, upd), s
+
+        p = place(params0)
+        s = jax.jit(tx.init)(p)
+        for u in range(UPDATES):
+            r = update_rows(u)
+            p, s = mb_step(p, s, own(xs[r]), own(ys[r]))
+        results["hsdp_microbatch"] = p
+        counts["hsdp_microbatch"] = crossing(
+            mb_step.lower(
+                p, s, own(xs[update_rows(0)]), own(ys[update_rows(0)])
+            ).compile()
+        )
+
+        acc = optax_accum.accumulate(optax.adam(LR), K)
+
+        @jax.jit
+        def acc_step(p, s, x, y):
+            upd, s = acc.update(jax.grad(fsdp_loss)(p, (x, y)), s, p)
+            return optax.apply_updates(p, upd), s
+
+        p = place(params0)
+        s = jax.jit(acc.init)(p)
+        for m in range(UPDATES * K):
+            r = slice(m * MICRO, (m + 1) * MICRO)
+            p, s = acc_step(p, s, own(xs[r]), own(ys[r]))
+        assert s.accumulator["w1"].sharding.spec == specs["w1"]
+        results["hsdp_accumulate"] = p
+        counts["hsdp_accumulate"] = crossing(
+            acc_step.lower(p, s, own(xs[:MICRO]), own(ys[:MICRO])).compile()
+        )
+    del jnp, reference
+    return results, counts
 
 
 def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):

@@ -52,7 +52,13 @@ def test_two_processes_reach_the_full_batch_result(tmp_path):
     print("all-reduces per compiled call:", counts)
     for pid in range(2):
         out = np.load(tmp_path / f"process_{pid}.npz")
-        for name in ("accumulate", "microbatch", "nnx"):
+        for name in (
+            "accumulate",
+            "microbatch",
+            "nnx",
+            "hsdp_microbatch",
+            "hsdp_accumulate",
+        ):
             for key in ("w1", "b1", "w2", "b2"):
                 np.testing.assert_allclose(
                     out[f"{name}/{key}"],
@@ -71,6 +77,12 @@ def test_two_processes_reach_the_full_batch_result(tmp_path):
     assert ms["every_call"] >= 1 and ms["in_cond"] == 0
     assert counts["microbatch"]["in_loop"] == 0
     assert counts["microbatch"]["every_call"] >= 1
+    # HSDP (data across the processes, FSDP within): microbatch crosses the
+    # data axis once per update, after the loop; accumulate's global-view
+    # jax.grad crosses it on every micro-step (the README's table).
+    hsdp_mb, hsdp_acc = counts["hsdp_microbatch"], counts["hsdp_accumulate"]
+    assert hsdp_mb["in_loop"] == 0 and hsdp_mb["every_call"] >= 1, hsdp_mb
+    assert hsdp_acc["every_call"] >= 1, hsdp_acc
 
 
 def _example(*args) -> str:
