@@ -12,6 +12,8 @@ from ._accumulate import state_specs as state_specs
 from ._distributed import LocalRun as LocalRun
 from ._distributed import initialize_distributed as initialize_distributed
 from ._distributed import launch_local as launch_local
+from ._loss_scale import ScaledGrads as ScaledGrads
+from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
 from ._lr import batch_size_warmup as batch_size_warmup
 from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
@@ -35,6 +37,7 @@ __all__ = [
     "MicroBatchPlan",
     "MultiSteps",
     "MultiStepsState",
+    "ScaledGrads",
     "SkipFn",
     "WeightFn",
     "accumulate",
@@ -46,6 +49,7 @@ __all__ = [
     "microbatch",
     "plan_micro_batch",
     "scale_learning_rate",
+    "scaled_value_and_grad",
     "skip_large_updates",
     "skip_not_finite",
     "state_specs",
