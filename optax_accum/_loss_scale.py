@@ -48,6 +48,7 @@ def scaled_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    axis_name: Any = None,
 ) -> Callable[..., ScaledGrads]:
     """Value and gradient of ``fun`` under a dynamic loss scale, for fp16.
 
@@ -63,14 +64,18 @@ def scaled_value_and_grad(
     After ``period`` finite micro-batches in a row the scale grows.
 
     Under ``pmap`` or ``shard_map`` each device sees only its own gradients:
-    there, reduce ``finite`` over the devices yourself before relying on the
-    returned scale (``jax.jit`` over sharded arrays needs nothing).
+    pass ``axis_name`` so that an overflow on any device counts on all of them
+    and every device keeps the same scale (``jax.jit`` over sharded arrays
+    needs nothing). Give `accumulate` the same ``axis_name``, so that the
+    devices also agree on skipping.
 
     Args:
       fun: the loss, ``fun(*args, **kwargs) -> value`` (or ``(value, aux)``
         with ``has_aux``), computed in the precision you want, e.g. fp16.
       argnums: which positional argument(s) of ``fun`` to differentiate.
       has_aux: whether ``fun`` returns ``(value, aux)``.
+      axis_name: the mapped axis over which devices agree on ``finite``
+        (one scalar all-reduce per call), or None.
 
     Returns:
       ``g(loss_scale, *args, **kwargs) -> ScaledGrads(value, grads,
@@ -129,6 +134,9 @@ def scaled_value_and_grad(
         grads, value = jax.grad(scaled, argnums, has_aux=True)(*args, **kwargs)
         grads = loss_scale.unscale(grads)
         finite = _all_finite(grads)
+        if axis_name is not None:
+            overflows = jnp.logical_not(finite).astype(jnp.int32)
+            finite = jax.lax.psum(overflows, axis_name) == 0
         return ScaledGrads(value, grads, loss_scale.adjust(finite), finite)
 
     return scaled_grad

@@ -227,3 +227,74 @@ def test_has_aux_and_argnums():
     # The same fp16 computation, scaled by a power of two and unscaled.
     chex.assert_trees_all_close(grads, ref_grads, rtol=1e-2, atol=1e-4)
     assert bool(out.finite)
+
+
+def test_devices_agree_on_the_scale_under_shard_map():
+    # One device's rows overflow: with `axis_name`, every device skips the
+    # micro-batch and halves its scale, and the scale stays replicated (an
+    # out_spec of P() would reject a scale that differs between devices).
+    from jax.sharding import PartitionSpec as P
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("batch",))
+    tx = optax_accum.accumulate(
+        optax.sgd(1.0), K, skip_fn=optax_accum.skip_not_finite, axis_name="batch"
+    )
+    grad_fn = optax_accum.scaled_value_and_grad(_loss, axis_name="batch")
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, _params()), "batch")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def body(params, opt_state, scale, x, y):
+        loss_scale = jmp.DynamicLossScale(scale["scale"], scale["counter"])
+        varying = jax.lax.pcast(params, "batch", to="varying")
+        out = grad_fn(loss_scale, varying, x, y)
+        updates, opt_state = tx.update(out.grads, opt_state, params)
+        new_scale = {
+            "scale": out.loss_scale.loss_scale,
+            "counter": out.loss_scale.counter,
+        }
+        return optax.apply_updates(params, updates), opt_state, new_scale, out.finite
+
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), specs, P(), P("batch"), P("batch")),
+            out_specs=(P(), specs, P(), P()),
+        )
+    )
+
+    def full_batch(seed, overflow_rows=None):
+        parts = [_batch(seed * n + d) for d in range(n)]
+        xs = jnp.concatenate([x for x, _ in parts])
+        ys = jnp.concatenate([y for _, y in parts])
+        if overflow_rows is not None:
+            ys = ys.at[overflow_rows, 0].set(OVERFLOW_TARGET)
+        return jax.device_put((xs, ys), jax.NamedSharding(mesh, P("batch")))
+
+    good = [full_batch(s) for s in range(K)]
+    bad = full_batch(K, overflow_rows=3 * 8)  # a row of device 3
+    replicated = jax.NamedSharding(mesh, P())
+    params = jax.device_put(_params(), replicated)
+    opt_state = init(params)
+    scale = {"scale": jnp.float32(2.0**15), "counter": jnp.int32(0)}
+    scale = jax.device_put(scale, replicated)
+    for i, batch in enumerate([*good[:2], bad, *good[2:]]):
+        params, opt_state, scale, finite = step(params, opt_state, scale, *batch)
+        assert bool(finite) == (i != 2)
+    assert float(scale["scale"]) == 2.0**14
+    assert int(opt_state.num_skipped) == 1
+    assert int(opt_state.update_step) == 1
+
+    # The same window on one device, without the bad micro-batch.
+    ref_tx = FACES["accumulate"](optax.sgd(1.0))
+    ref_step = _make_step(ref_tx)
+    ref = _init(ref_tx)
+    for batch in good:
+        ref, _, _ = ref_step(ref, jax.device_get(batch))
+    # fp16 sums each device's 8 rows, then the accumulator averages the devices
+    # in float32; on one device fp16 sums all 64 rows: rounding of about 1e-3.
+    ref_params = jax.device_get(ref["params"])
+    chex.assert_trees_all_close(
+        jax.device_get(params), ref_params, rtol=5e-3, atol=1e-6
+    )
