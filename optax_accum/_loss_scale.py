@@ -28,8 +28,9 @@ class ScaledGrads(NamedTuple):
       value: ``fun``'s value, not scaled (``(value, aux)`` with ``has_aux``).
       grads: the gradients, unscaled: what the accumulator should receive.
       loss_scale: the loss scale adjusted by ``finite``, for the next call.
-      finite: bool scalar, whether every gradient is finite. It is the
-        opposite of what `skip_not_finite` decides for ``grads``.
+      finite: bool scalar, whether every gradient is finite (on every device,
+        with ``axis_name``). It is the opposite of what `skip_not_finite`
+        decides for ``grads`` (with the same ``axis_name`` in `accumulate`).
     """
 
     value: Any
