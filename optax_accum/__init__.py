@@ -14,6 +14,8 @@ from ._distributed import initialize_distributed as initialize_distributed
 from ._distributed import launch_local as launch_local
 from ._layout import defer_reduction as defer_reduction
 from ._layout import state_shardings as state_shardings
+from ._loss_scale import ScaledGrads as ScaledGrads
+from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
 from ._lr import batch_size_warmup as batch_size_warmup
 from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
@@ -37,6 +39,7 @@ __all__ = [
     "MicroBatchPlan",
     "MultiSteps",
     "MultiStepsState",
+    "ScaledGrads",
     "SkipFn",
     "WeightFn",
     "accumulate",
@@ -49,6 +52,7 @@ __all__ = [
     "microbatch",
     "plan_micro_batch",
     "scale_learning_rate",
+    "scaled_value_and_grad",
     "skip_large_updates",
     "skip_not_finite",
     "state_shardings",

@@ -23,6 +23,8 @@ MODULES = sorted(
 def test_docstring_examples(name):
     if name == "optax_accum.flax":
         pytest.importorskip("flax")
+    if name == "optax_accum._loss_scale":
+        pytest.importorskip("jmp")  # the example uses jmp's loss scale
     module = importlib.import_module(name)
     result = doctest.testmod(
         module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -1,6 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""The Colab notebooks: each runs top to bottom, and each is stored as generated.
+"""The Colab notebooks: each is paired with its source, and each runs.
+
+Every notebook ``notebooks/0N_name.ipynb`` is paired through jupytext with a
+py:percent source ``notebooks/0N_name.py``, the file people edit and review.
+The tests find the pairs themselves, so a new notebook is covered as soon as
+it is added: both files must exist, the stored ``.ipynb`` must hold exactly
+the cells jupytext makes from the source, with no outputs, and it must run
+top to bottom.
 
 Every notebook runs in a fresh ``python3`` kernel (ipykernel, from the
 ``[notebooks]`` extra) inside a temporary working folder, so nothing is left
@@ -11,49 +18,85 @@ as it does on Colab.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+NAMES = sorted(
+    {p.stem for p in NOTEBOOKS_DIR.glob("*.ipynb")}
+    | {p.stem for p in NOTEBOOKS_DIR.glob("*.py")}
+)
+FORMATS = "ipynb,py:percent"
 CELL_TIMEOUT_S = 300
 COLAB_URL = (
     "https://colab.research.google.com/github/optax-accum/optax_accum/blob/main/"
     "notebooks/{}"
 )
+SYNC_HINT = "edit notebooks/{0}.py, then run `jupytext --sync notebooks/{0}.py`"
 
 
-def _ids(paths: list[Path]) -> list[str]:
-    return [p.stem for p in paths]
+def _ipynb(name: str) -> Path:
+    return NOTEBOOKS_DIR / f"{name}.ipynb"
 
 
-def _load_builder():
-    spec = importlib.util.spec_from_file_location("_build", NOTEBOOKS_DIR / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    write_bytecode = sys.dont_write_bytecode
-    sys.dont_write_bytecode = True  # no __pycache__ in notebooks/
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = write_bytecode
-    return module
+def _source(name: str) -> Path:
+    return NOTEBOOKS_DIR / f"{name}.py"
+
+
+def _cells(nb) -> list[tuple[str, str, dict]]:
+    # Cell ids are left out: jupytext keeps the stored ids when it syncs.
+    return [(c.cell_type, c.source, dict(c.metadata)) for c in nb.cells]
+
+
+def _without_jupytext(metadata) -> dict:
+    return {k: v for k, v in metadata.items() if k != "jupytext"}
 
 
 def test_notebooks_exist():
-    assert [p.stem for p in NOTEBOOKS][:4] == [
+    assert NAMES[:4] == [
         "01_quickstart",
         "02_token_weighting",
         "03_memory",
         "04_pod_scale",
     ]
+    assert not (NOTEBOOKS_DIR / "_build.py").exists()
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_stored_without_outputs(path: Path):
+@pytest.mark.parametrize("name", NAMES)
+def test_is_a_jupytext_pair(name: str):
+    assert _ipynb(name).exists(), f"{_source(name).name} has no notebook: " + (
+        f"run `jupytext --to ipynb notebooks/{name}.py`"
+    )
+    assert _source(name).exists(), f"{_ipynb(name).name} has no source: " + (
+        f"run `jupytext --set-formats {FORMATS} notebooks/{name}.ipynb`"
+    )
+    nb = json.loads(_ipynb(name).read_text())
+    assert nb["metadata"].get("jupytext", {}).get("formats") == FORMATS
+    header = _source(name).read_text().split("# ---\n")[1]
+    assert f"formats: {FORMATS}" in header
+    assert "format_name: percent" in header
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pair_is_in_sync(name: str):
+    jupytext = pytest.importorskip("jupytext")
+    nbformat = pytest.importorskip("nbformat")
+    if not (_ipynb(name).exists() and _source(name).exists()):
+        pytest.skip("not a pair (test_is_a_jupytext_pair fails)")
+    expected = jupytext.read(_source(name))
+    stored = nbformat.read(_ipynb(name), as_version=4)
+    assert _cells(stored) == _cells(expected), SYNC_HINT.format(name)
+    metadata = _without_jupytext(expected.metadata)
+    assert _without_jupytext(stored.metadata) == metadata, SYNC_HINT.format(name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stored_without_outputs(name: str):
+    path = _ipynb(name)
+    if not path.exists():
+        pytest.skip("no notebook (test_is_a_jupytext_pair fails)")
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code":
@@ -64,29 +107,29 @@ def test_stored_without_outputs(path: Path):
     assert "widgets" not in nb["metadata"], f"{path.name} stores widget state"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_has_badge_install_and_devices(path: Path):
+@pytest.mark.parametrize("name", NAMES)
+def test_has_badge_install_and_devices(name: str):
+    path = _ipynb(name)
+    if not path.exists():
+        pytest.skip("no notebook (test_is_a_jupytext_pair fails)")
     nb = json.loads(path.read_text())
     first = "".join(nb["cells"][0]["source"])
     assert COLAB_URL.format(path.name) in first, f"{path.name}: Colab badge link"
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     install = code[0]
     assert 'find_spec("optax_accum") is None' in install, "install cell is not guarded"
-    assert "%pip install" in install
+    assert '"pip", "install"' in install
     assert any("jax.devices()" in c for c in code), "no cell reports the devices"
 
 
-def test_generator_is_in_sync():
-    pytest.importorskip("nbformat")
-    builder = _load_builder()
-    assert builder.main(["--check"]) == 0, "run `python notebooks/_build.py`"
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_runs(path: Path, tmp_path: Path):
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs(name: str, tmp_path: Path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
+    path = _ipynb(name)
+    if not path.exists():
+        pytest.skip("no notebook (test_is_a_jupytext_pair fails)")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb,
