@@ -25,7 +25,6 @@ from ._microbatch_sharding import (
     device_local,
     reduce_after_loop,
     reduce_single,
-    spec_axes,
     to_varying,
 )
 from ._validation import (
@@ -264,7 +263,7 @@ def _build(
             "Pass either `axis_name` (inside shard_map/pmap) or `mesh_axes`, "
             f"not both: got axis_name={axis_name!r}, mesh_axes={mesh_axes!r}."
         )
-    user_axes = None if axis_name is None else spec_axes(axis_name)
+    user_axes = None if axis_name is None else _layout.axes_of(axis_name)
     mean = reduction == "mean"
     # Weighted means use a running mean: it stays at the gradients' scale,
     # so fp16 accumulators do not overflow with token-count weights.

@@ -2,10 +2,11 @@
 # Copyright 2026 The optax_accum Authors.
 """The device-local path of `microbatch`: per-device loops, one reduction after.
 
-This module owns what `microbatch` does across devices: finding the Explicit
-mesh axes that shard the batch, casting inputs to varying so their cotangents
-stay local, the `jax.shard_map` wrapper that runs the loop per device, and the
-reductions over devices (values, gradients, ``aux`` and state) after the loop.
+This module owns what `microbatch` does across devices when the user names
+the mesh axes (``mesh_axes=``): checking that they shard no parameter,
+casting inputs to varying so their cotangents stay local, the
+`jax.shard_map` wrapper that runs the loop per device, and the reductions over
+devices (values, gradients, ``aux`` and state) after the loop.
 The loop itself, and the copy-free split it reads, live in `_microbatch`.
 """
 
@@ -25,13 +26,6 @@ from . import _layout
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array)
-
-
-def spec_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one `PartitionSpec` entry (or an ``axis_name``)."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def batch_mesh(
