@@ -302,7 +302,7 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
       (P('fsdp',), P())
     """
     p_leaves, p_def = jax.tree.flatten(params)
-    p_shardings = [x.sharding for x in p_leaves]
+    p_shardings = [getattr(x, "sharding", None) for x in p_leaves]
     meshes = [s.mesh for s in p_shardings if isinstance(s, NamedSharding)]
     if not meshes:
         raise ValueError(
