@@ -108,6 +108,13 @@ def zeros_for(like: Any, dtype: Any) -> jax.Array:
     return jnp.zeros(like.shape, dtype, out_sharding=_annotation(like))
 
 
+def replicated(x: jax.Array) -> jax.Array:
+    """``x`` replicated, where an Explicit mesh shards it (small arrays only)."""
+    if not used_axes(explicit_spec(x)):
+        return x
+    return jax.sharding.reshard(x, P())
+
+
 def mesh_size(mesh: Any, axes: Sequence[str]) -> int:
     size = 1
     for a in axes:

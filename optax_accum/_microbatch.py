@@ -455,7 +455,7 @@ def _build(
         if isinstance(axes_mode, tuple):
             found = batch_mesh(args, kwargs, state, batch_idx, axes_mode, mesh_axes)
             value, grads, aux, state = device_local(
-                run, call, args, kwargs, state, *found, size, k, batch_idx, has_aux
+                run, args, kwargs, state, *found, size, k, batch_idx, has_aux
             )
             return pack(value, grads, aux, state)
         value, grads, aux, _, state = run(args, kwargs, None, 1.0, False, state)

@@ -142,9 +142,7 @@ def _reduce_state(new: jax.Array, old: Any, axes: tuple) -> jax.Array:
     return lax.pmax(new, axes)
 
 
-def _reduce_aux(a: jax.Array, spec: P, ws: jax.Array, axes: tuple) -> jax.Array:
-    if spec != P():
-        return a
+def _reduce_aux(a: jax.Array, ws: jax.Array, axes: tuple) -> jax.Array:
     if jnp.issubdtype(a.dtype, jnp.bool_):
         return lax.psum(a.astype(jnp.int32), axes) > 0
     if not jnp.issubdtype(a.dtype, jnp.inexact):
@@ -159,7 +157,6 @@ def _reduce_aux(a: jax.Array, spec: P, ws: jax.Array, axes: tuple) -> jax.Array:
 
 def device_local(
     run: Callable[..., tuple],
-    call: Callable[..., tuple],
     args: list,
     kwargs: dict,
     state: Any,
@@ -172,9 +169,9 @@ def device_local(
 ) -> tuple:
     """Runs the loop per device in shard_map; one psum after it.
 
-    ``run(args, kwargs, axes, unit, local, state)`` is `microbatch`'s scan and
-    ``call(args, kwargs, state)`` one call of ``fun``; ``mesh`` and ``axes``
-    come from `batch_mesh`, ``size`` is the global batch size. Returns
+    ``run(args, kwargs, axes, unit, local, state)`` is `microbatch`'s scan;
+    ``mesh`` and ``axes`` come from `batch_mesh`, ``size`` is the global batch
+    size. Returns
     ``(value, grads, aux, state)``, reduced over ``axes``.
     """
     n_dev = 1
@@ -193,23 +190,23 @@ def device_local(
     dyn = [i for i, x in enumerate(flat) if is_batch[i] or _is_array(x)]
     specs = tuple(P(axes) if is_batch[i] else P() for i in dyn)
 
-    aux_specs = None
-    if has_aux:
-        # Global shapes tell which aux leaves carry the micro-batch's rows.
-        def global_aux():
-            margs = list(args)
-            for j in batch_idx:
-                margs[j] = jax.tree.map(
-                    lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, 0],
-                    args[j],
-                )
-            return call(margs, kwargs, state)[2]
+    # Which aux leaves hold the micro-batch's rows (axis 1, after the stacking
+    # axis) is read from the device-local shapes while `inner` is traced, so
+    # `fun` never runs outside the device-local context.
+    rows_here = size // k // n_dev
+    row_leaves: list[bool] = []
 
-        aux_shapes = jax.eval_shape(global_aux)
-        rows = size // k
-        aux_specs = jax.tree.map(
-            lambda s: P(None, axes) if s.ndim and s.shape[0] == rows else P(),
-            aux_shapes,
+    def split_aux(aux, ws):
+        leaves, aux_def = jax.tree.flatten(aux)
+        row_leaves[:] = [a.ndim >= 2 and a.shape[1] == rows_here for a in leaves]
+        # Rows are gathered over devices; other leaves are reduced and gain a
+        # device axis of length 1, so one out_spec serves every leaf.
+        return jax.tree.unflatten(
+            aux_def,
+            [
+                a if row else _reduce_aux(a, ws, axes)[:, None]
+                for a, row in zip(leaves, row_leaves, strict=True)
+            ],
         )
 
     def inner(*leaves):
@@ -224,9 +221,7 @@ def device_local(
             lambda new, old: _reduce_state(new, old, axes), lstate, state_in(leaves)
         )
         if has_aux:
-            aux = jax.tree.map(
-                lambda a, spec: _reduce_aux(a, spec, ws, axes), aux, aux_specs
-            )
+            aux = split_aux(aux, ws)
         return value, grads, aux, lstate
 
     def state_in(leaves):
@@ -235,8 +230,18 @@ def device_local(
             full[i] = x
         return jax.tree.unflatten(treedef, full)[2]
 
-    out_specs = (P(), P(), aux_specs, P())
+    out_specs = (P(), P(), P(None, axes), P())
     mapped = jax.shard_map(
         inner, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(axes)
     )
-    return mapped(*(flat[i] for i in dyn))
+    value, grads, aux, state = mapped(*(flat[i] for i in dyn))
+    if has_aux:
+        leaves, aux_def = jax.tree.flatten(aux)
+        aux = jax.tree.unflatten(
+            aux_def,
+            [
+                a if row else _layout.replicated(a)[:, 0]
+                for a, row in zip(leaves, row_leaves, strict=True)
+            ],
+        )
+    return value, grads, aux, state

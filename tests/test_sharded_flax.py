@@ -198,3 +198,47 @@ def test_linen_train_step_on_auto_mesh(specs):
     chex.assert_trees_all_close(
         jax.device_get(state.params), ref.params, rtol=1e-5, atol=1e-6
     )
+
+
+class EmbedNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.emb = nnx.Embed(16, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 16, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _embed_loss(model, ids, y):
+    logits = model(ids)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return ce.mean(), {"logits_mean": logits.mean(), "ce": ce}
+
+
+def test_nnx_embed_has_aux_device_local_on_explicit_mesh():
+    # An nnx.Embed lookup cannot run on a whole sharded micro-batch under an
+    # Explicit mesh; device-local, it can. The aux layout must be found
+    # without calling the loss outside the device-local context (issue 10).
+    ids = jnp.arange(64) % 16
+    y = (jnp.arange(64) * 3) % 16
+    ref_model = EmbedNet(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_loss, ref_aux = nnx.jit(nnx_train_step(_embed_loss, K, has_aux=True))(
+        ref_model, ref_opt, ids, y
+    )
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        model = EmbedNet(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        step = nnx.jit(nnx_train_step(_embed_loss, K, has_aux=True, mesh_axes="data"))
+        loss, aux = step(model, opt, *(jax.device_put(a, P("data")) for a in (ids, y)))
+    assert aux["ce"].shape == (K, 64 // K) and aux["logits_mean"].shape == (K,)
+    chex.assert_trees_all_close(
+        jax.device_get((loss, aux)), (ref_loss, ref_aux), rtol=1e-5, atol=1e-6
+    )
+    chex.assert_trees_all_close(
+        np.asarray(model.out.kernel[...]),
+        np.asarray(ref_model.out.kernel[...]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
