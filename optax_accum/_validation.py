@@ -8,6 +8,7 @@ argument and the value, so bad input never turns into a silently wrong update.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any
 
@@ -65,35 +66,123 @@ def check_every_k(
         check_positive_int(every_k, name)
 
 
+PROMOTE = "promote"
+
+
 def canonical_accumulator_dtype(dtype: Any) -> Any:
-    """Returns a canonical floating dtype, or None for 'same as the gradient'."""
-    if dtype is None:
-        return None
+    """Returns a canonical dtype, ``"promote"``, or None ('the gradient's dtype')."""
+    if dtype is None or (isinstance(dtype, str) and dtype == PROMOTE):
+        return dtype
+    message = (
+        "`accumulator_dtype` must be a floating dtype (or a complex one), "
+        f'"{PROMOTE}" or None, got {dtype!r}.'
+    )
     try:
         canonical = jnp.dtype(dtype)
     except TypeError as e:
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype or None, got {dtype!r}."
-        ) from e
-    if not jnp.issubdtype(canonical, jnp.floating):
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype or None, got {dtype!r}."
-        )
+        raise TypeError(message) from e
+    if not jnp.issubdtype(canonical, jnp.inexact):
+        raise TypeError(message)
     return canonical
 
 
+def accumulator_dtype_for(grad_dtype: Any, spec: Any) -> Any:
+    """The accumulator dtype for a gradient leaf, from a canonical ``spec``.
+
+    ``"promote"`` never loses information: at least float32, of the gradient's
+    own kind (complex stays complex, float64 stays float64). An explicit real
+    dtype for a complex gradient would drop the imaginary part, so it raises.
+    """
+    grad_dtype = jnp.dtype(grad_dtype)
+    if spec is None:
+        return grad_dtype
+    if isinstance(spec, str):
+        return jnp.promote_types(grad_dtype, jnp.float32)
+    if jnp.issubdtype(grad_dtype, jnp.complexfloating) and not jnp.issubdtype(
+        spec, jnp.complexfloating
+    ):
+        raise TypeError(
+            f"`accumulator_dtype`={spec} would drop the imaginary part of "
+            f"{grad_dtype} gradients: pass a complex dtype, "
+            f'"{PROMOTE}" (the default) or None.'
+        )
+    return spec
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer) and not isinstance(x, jax.Array)
+
+
 def check_weight(weight: Any) -> jax.Array:
-    """Returns the micro-batch weight as a float32 scalar."""
+    """Returns the micro-batch weight as a float32 scalar.
+
+    A Python or NumPy constant that is negative or not finite raises; a traced
+    bad weight is rejected at run time by the engine (see `weight_ok`).
+    """
     if weight is None:
         return jnp.ones([], jnp.float32)
+    if isinstance(weight, str | bytes):
+        raise TypeError(f"`weight` must be a real number, got {weight!r}.")
     if np.ndim(weight) != 0:
         raise ValueError(
             f"`weight` must be a scalar, got shape {np.shape(weight)}: {weight!r}."
         )
-    dtype = jnp.result_type(weight)
+    try:
+        dtype = jnp.result_type(weight)
+    except (TypeError, ValueError):
+        raise TypeError(f"`weight` must be a real number, got {weight!r}.") from None
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"`weight` must be a real number, got dtype {dtype}.")
+    if _is_concrete(weight) and not (np.isfinite(weight) and weight >= 0):
+        raise ValueError(f"`weight` must be finite and >= 0, got {weight!r}.")
     return jnp.asarray(weight, jnp.float32)
+
+
+def weight_ok(w: jax.Array) -> jax.Array:
+    """Whether a (traced) weight is usable: finite and >= 0."""
+    return jnp.logical_and(jnp.isfinite(w), w >= 0)
+
+
+def check_close_window(close_window: Any) -> jax.Array:
+    """Returns ``close_window`` as a boolean scalar, or raises naming it."""
+    if isinstance(close_window, str | bytes) or np.ndim(close_window) != 0:
+        raise ValueError(
+            "`close_window` must be a boolean scalar, got "
+            f"shape {np.shape(close_window)}: {close_window!r}."
+        )
+    try:
+        dtype = jnp.result_type(close_window)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"`close_window` must be a boolean scalar, got {close_window!r}."
+        )
+    return jnp.asarray(close_window)
+
+
+def check_skip_fn(skip_fn: Any, arg: str) -> None:
+    """Rejects a non-callable, or a skip-function factory passed uncalled."""
+    if skip_fn is None:
+        return
+    from ._skip import skip_large_updates
+
+    if skip_fn is skip_large_updates:
+        raise TypeError(
+            f"`{arg}` is the factory `skip_large_updates`, not a skip function: "
+            "call it: skip_large_updates(max_norm)."
+        )
+    if not callable(skip_fn):
+        raise TypeError(f"`{arg}` must be callable or None, got {skip_fn!r}.")
+    try:
+        inspect.signature(skip_fn).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"`{arg}` must take (grads, step, params), got {skip_fn!r} with "
+            f"signature {inspect.signature(skip_fn)}."
+        ) from None
+    except ValueError:  # no signature (a builtin): trust it
+        pass
 
 
 def normalize_skip_result(result: Any, arg: str = "skip_fn") -> tuple[jax.Array, Any]:
