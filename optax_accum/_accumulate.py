@@ -591,33 +591,3 @@ def state_specs(state: Any, axis_name: Any) -> Any:
 
     return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))
 
-
-def has_updated(state: Any) -> jax.Array:
-    """Whether the call that produced ``state`` emitted an update.
-
-    Args:
-      state: an `AccumulateState`, or any optimizer state that holds exactly
-        one, e.g. ``optax.chain(accumulate(...), ...)``'s tuple.
-
-    Returns:
-      A boolean scalar.
-
-    Raises:
-      ValueError: if ``state`` holds no `AccumulateState`, or several.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optax_accum
-      >>> tx = optax.chain(optax_accum.accumulate(optax.sgd(1.0), 1))
-      >>> params = {"w": jnp.zeros(2)}
-      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
-      >>> bool(optax_accum.has_updated(state))
-      True
-    """
-    is_acc = lambda x: isinstance(x, AccumulateState)
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_acc) if is_acc(x)]
-    if len(found) != 1:
-        raise ValueError(
-            "`state` must hold exactly one AccumulateState, found "
-            f"{len(found)} in {type(state).__name__}."
-        )
-    return jnp.asarray(found[0].updated)

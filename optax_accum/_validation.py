@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 from typing import Any
 
 import jax
@@ -198,3 +199,62 @@ def normalize_skip_result(result: Any, arg: str = "skip_fn") -> tuple[jax.Array,
             f"pytree), got {flag!r}."
         )
     return jnp.asarray(flag), skip_state
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of length {len(x)}"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"an array of shape {tuple(shape)}"
+    return f"a {type(x).__name__}"
+
+
+def check_fun_output(out: Any, has_aux: bool) -> None:
+    """Checks ``microbatch``'s ``fun`` returned ``(value, grads)`` as declared."""
+    expected = "((value, aux), grads)" if has_aux else "(value, grads)"
+    hint = ""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        if getattr(out, "shape", None) == ():
+            hint = (
+                " It returned a scalar: pass a value-and-grad function, e.g. "
+                "jax.value_and_grad(loss), not the loss."
+            )
+        else:
+            hint = (
+                " Gradients alone? Pass jax.value_and_grad(loss), not "
+                "jax.grad(loss)."
+            )
+        raise TypeError(
+            f"`fun` must return {expected}, got {_describe(out)}.{hint}"
+        )
+    first = out[0]
+    first_is_pair = isinstance(first, tuple | list) and len(first) == 2
+    if has_aux and not first_is_pair:
+        raise TypeError(
+            f"`fun` must return ((value, aux), grads) with `has_aux=True`, but "
+            f"its first output is {_describe(first)}, not a (value, aux) pair: "
+            "pass has_aux=False, or use jax.value_and_grad(loss, has_aux=True)."
+        )
+    if not has_aux and first_is_pair:
+        raise TypeError(
+            "`fun` must return (value, grads) with `has_aux=False`, but its value "
+            f"is {_describe(first)}: if `fun` returns ((value, aux), grads), pass "
+            "has_aux=True."
+        )
+
+
+def check_no_nnx_modules(args: Any) -> None:
+    """Flax nnx modules cannot cross `microbatch`'s scan as arguments."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    is_module = lambda x: isinstance(x, nnx.Module)
+    if any(is_module(x) for x in jax.tree.leaves(args, is_leaf=is_module)):
+        raise TypeError(
+            "`microbatch` got a flax.nnx Module as an argument; nnx modules are "
+            "mutable objects, not arrays, and cannot be sliced per micro-batch "
+            "inside `lax.scan`. Use optax_accum.flax.nnx_train_step(loss_fn, k), "
+            "which splits the model into arrays (and threads its state), or pass "
+            "nnx.split(model)'s arrays to a function that merges them."
+        )
