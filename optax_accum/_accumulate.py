@@ -590,4 +590,3 @@ def state_specs(state: Any, axis_name: Any) -> Any:
         )
 
     return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))
-

@@ -49,7 +49,7 @@ def reads_value(tx: Any, params: Any, state: Any) -> bool:
 
     try:
         closed = jax.make_jaxpr(update)(params, state, params, jnp.float32(0))
-    except Exception:  # noqa: BLE001 - any failure means "it wants more args"
+    except Exception:
         return True
     return closed.jaxpr.invars[-1] in _used_inputs(closed.jaxpr)
 

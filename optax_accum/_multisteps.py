@@ -130,10 +130,13 @@ class MultiSteps:
         # Unit weights: the window's weight sum is its accepted mini-step count.
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
         value = getattr(state, "acc_value", ())
-        if not isinstance(state, MultiStepsState) and "value" in extra_args:
-            # An optax state has no value slot: the window's value starts here.
-            if reads_value(self._opt, params, state.inner_opt_state):
-                value = jnp.asarray(extra_args["value"], value_dtype(params))
+        # An optax state has no value slot: the window's value starts here.
+        if (
+            not isinstance(state, MultiStepsState)
+            and "value" in extra_args
+            and reads_value(self._opt, params, state.inner_opt_state)
+        ):
+            value = jnp.asarray(extra_args["value"], value_dtype(params))
         window = _Window(
             micro_step=mini_step,
             update_step=jnp.asarray(state.gradient_step, jnp.int32),

@@ -222,12 +222,9 @@ def check_fun_output(out: Any, has_aux: bool) -> None:
             )
         else:
             hint = (
-                " Gradients alone? Pass jax.value_and_grad(loss), not "
-                "jax.grad(loss)."
+                " Gradients alone? Pass jax.value_and_grad(loss), not jax.grad(loss)."
             )
-        raise TypeError(
-            f"`fun` must return {expected}, got {_describe(out)}.{hint}"
-        )
+        raise TypeError(f"`fun` must return {expected}, got {_describe(out)}.{hint}")
     first = out[0]
     first_is_pair = isinstance(first, tuple | list) and len(first) == 2
     if has_aux and not first_is_pair:

@@ -211,9 +211,7 @@ def linen_train_step(
       1
     """
 
-    _check_step_args(
-        loss_fn, num_micro_batches, microbatch_kwargs, "linen_train_step"
-    )
+    _check_step_args(loss_fn, num_micro_batches, microbatch_kwargs, "linen_train_step")
 
     def step(
         state: Any, *batch: Any, rng: Any = None, **opt_kwargs: Any
