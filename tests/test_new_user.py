@@ -97,6 +97,32 @@ def test_value_is_accumulated_with_the_weights_and_reduction():
         assert float(u["a"]) == expected
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_value_is_reduced_over_devices_with_the_weights(reduction):
+    def inner_update(updates, state, params=None, *, value, **extra):
+        return jax.tree.map(lambda u: jnp.zeros_like(u) + value, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), inner_update
+    )
+    n = 8
+    tx = optax_accum.accumulate(inner, 2, axis_name="d", reduction=reduction)
+    params = {"a": jnp.zeros((n,))}
+    state = jax.pmap(tx.init, axis_name="d")(params)
+    update = jax.pmap(
+        lambda g, s, p, v, w: tx.update(g, s, p, value=v, weight=w), axis_name="d"
+    )
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(2, n)).astype(np.float32)
+    weights = rng.uniform(0.5, 2, size=(2, n)).astype(np.float32)
+    values[0, 3], weights[0, 3] = np.nan, 0.0  # an all-padding micro-batch
+    for i in range(2):
+        u, state = update(params, state, params, values[i], weights[i])
+    total = np.nansum(values * weights)
+    expected = total / weights.sum() if reduction == "mean" else total
+    np.testing.assert_allclose(u["a"], expected, rtol=1e-5)
+
+
 def test_optimizers_that_ignore_value_keep_todays_state():
     tx = optax_accum.accumulate(optax.adam(1e-3), 2)
     assert tx.init(P0).value_accumulator == ()
