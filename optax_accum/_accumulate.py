@@ -61,7 +61,8 @@ class AccumulateState(NamedTuple):
         would cost a full pass over it (see the README).
       weight_sum: float32, the sum of the accepted weights in the window.
       inner_state: the inner optimizer's state. Only boundary steps change it.
-      num_skipped: int32, micro-batches rejected by ``skip_fn`` so far.
+      num_skipped: int32, micro-batches rejected so far, by ``skip_fn`` or
+        for a weight that is not finite or is negative.
       updated: bool, whether the last call emitted an update.
       skip_state: what ``skip_fn`` returned as its second output, if anything.
       value_accumulator: the window's running ``value`` (the loss passed to
