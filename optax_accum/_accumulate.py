@@ -19,6 +19,7 @@ import optax
 from jax import lax
 
 from ._extra_args import check_value, check_value_fn, reads_value, value_dtype
+from ._mistakes import warn_if_clipped_before
 from ._validation import (
     accumulator_dtype_for,
     canonical_accumulator_dtype,
@@ -519,6 +520,7 @@ def accumulate(
         close_window: jax.typing.ArrayLike = False,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        warn_if_clipped_before("accumulate")
         window = _Window(
             state.micro_step,
             state.update_step,

@@ -21,6 +21,7 @@ import optax
 
 from ._accumulate import _make_engine, _Window
 from ._extra_args import reads_value, value_dtype
+from ._mistakes import warn_if_clipped_before
 
 
 class MultiStepsState(NamedTuple):
@@ -127,6 +128,7 @@ class MultiSteps:
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
+        warn_if_clipped_before("MultiSteps")
         # Unit weights: the window's weight sum is its accepted mini-step count.
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
         value = getattr(state, "acc_value", ())

@@ -10,6 +10,7 @@ micro-batch), then crashes and errors that named nothing.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -501,3 +502,39 @@ def test_alias_optimizers_wrapped_with_k_1(name, kwargs, complex_ok, dtype):
         np.testing.assert_allclose(
             ours, ref, rtol=1e-6 if dtype == "complex64" else 1e-10
         )
+
+
+# Docs: clipping before the accumulator ---------------------------------------
+
+
+def test_clipping_before_accumulate_warns_once(monkeypatch):
+    from optax_accum import _mistakes
+
+    params = {"a": jnp.zeros(2)}
+    grads = {"a": jnp.full(2, 3.0)}
+    for good in (
+        optax_accum.accumulate(
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)), 2
+        ),
+        optax.chain(optax.scale(0.5), optax_accum.accumulate(optax.adam(0.1), 2)),
+    ):
+        monkeypatch.setattr(_mistakes, "_warned", False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            good.update(grads, good.init(params), params)
+    for bad in (
+        optax.chain(
+            optax.clip_by_global_norm(1.0), optax_accum.accumulate(optax.adam(0.1), 2)
+        ),
+        optax.chain(
+            optax.clip(1.0),
+            optax_accum.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+        ),
+    ):
+        monkeypatch.setattr(_mistakes, "_warned", False)
+        state = bad.init(params)
+        with pytest.warns(UserWarning, match="clips every micro-batch"):
+            _, state = bad.update(grads, state, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process
+            bad.update(grads, state, params)
