@@ -286,24 +286,32 @@ def test_zero_weight_nan_micro_batch_after_a_weighted_one(reduction):
     assert float(u["a"]) == pytest.approx(-expected)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("position", [0, 1, 3])
-def test_microbatch_all_padding_micro_batch_contributes_nothing(position):
+def test_microbatch_all_padding_micro_batch_contributes_nothing(position, sharded):
     def loss(w, batch):
         mask = batch["mask"]
         return jnp.sum(mask * (batch["x"] * w - 1.0) ** 2) / jnp.sum(mask)
 
-    x = jnp.arange(1.0, 9.0)
-    mask = jnp.ones(8).at[position::K].set(0.0)  # micro-batch `position`: padding
+    n = 64  # 16 rows per micro-batch: 2 per device when sharded over 8
+    x = jnp.arange(1.0, n + 1.0) / n
+    mask = jnp.ones(n).at[position::K].set(0.0)  # micro-batch `position`: padding
     batch = {"x": x, "mask": mask}
+    ref_value, ref_grad = jax.value_and_grad(loss)(jnp.float32(0.5), batch)
     fun = optax_accum.microbatch(
         jax.value_and_grad(loss),
         K,
         weight_fn=lambda b: b["mask"].sum(),
-        mesh_axes=None,
+        mesh_axes="auto" if sharded else None,
     )
-    value, grad = jax.jit(fun)(jnp.float32(0.5), batch)
-    ref_value, ref_grad = jax.value_and_grad(loss)(jnp.float32(0.5), batch)
-    np.testing.assert_allclose([value, grad], [ref_value, ref_grad], rtol=1e-6)
+    if sharded:  # the device-local loop: each device's part is all padding
+        mesh = jax.make_mesh((8,), ("data",))
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, jax.P("data")))
+        with jax.set_mesh(mesh):
+            value, grad = jax.jit(fun)(jnp.float32(0.5), batch)
+    else:
+        value, grad = jax.jit(fun)(jnp.float32(0.5), batch)
+    np.testing.assert_allclose([value, grad], [ref_value, ref_grad], rtol=1e-5)
 
 
 # Crashes --------------------------------------------------------------------
