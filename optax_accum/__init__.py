@@ -7,7 +7,6 @@ from importlib.metadata import PackageNotFoundError, version
 from ._accumulate import AccumulateState as AccumulateState
 from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
-from ._accumulate import has_updated as has_updated
 from ._accumulate import state_specs as state_specs
 from ._distributed import LocalRun as LocalRun
 from ._distributed import initialize_distributed as initialize_distributed
@@ -27,6 +26,8 @@ from ._planner import compiled_memory_bytes as compiled_memory_bytes
 from ._planner import plan_micro_batch as plan_micro_batch
 from ._skip import skip_large_updates as skip_large_updates
 from ._skip import skip_not_finite as skip_not_finite
+from ._states import find_state as find_state
+from ._states import has_updated as has_updated
 
 try:
     __version__ = version("optax_accum")
@@ -46,6 +47,7 @@ __all__ = [
     "batch_size_warmup",
     "compiled_memory_bytes",
     "defer_reduction",
+    "find_state",
     "has_updated",
     "initialize_distributed",
     "launch_local",

@@ -19,12 +19,18 @@ import optax
 from jax import lax
 
 from . import _layout
+from ._extra_args import check_value, check_value_fn, reads_value, value_dtype
+from ._mistakes import warn_if_clipped_before
 from ._validation import (
+    accumulator_dtype_for,
     canonical_accumulator_dtype,
+    check_close_window,
     check_every_k,
     check_reduction,
+    check_skip_fn,
     check_weight,
     normalize_skip_result,
+    weight_ok,
 )
 
 EveryK = int | Callable[[jax.Array], jax.typing.ArrayLike]
@@ -57,9 +63,14 @@ class AccumulateState(NamedTuple):
         would cost a full pass over it (see the README).
       weight_sum: float32, the sum of the accepted weights in the window.
       inner_state: the inner optimizer's state. Only boundary steps change it.
-      num_skipped: int32, micro-batches rejected by ``skip_fn`` so far.
+      num_skipped: int32, micro-batches rejected so far, by ``skip_fn`` or
+        for a weight that is not finite or is negative.
       updated: bool, whether the last call emitted an update.
       skip_state: what ``skip_fn`` returned as its second output, if anything.
+      value_accumulator: the window's running ``value`` (the loss passed to
+        ``update``), accumulated like the gradients; a scalar when the inner
+        optimizer reads ``value`` (``reduce_on_plateau``, line searches), else
+        ``()``.
     """
 
     micro_step: jax.Array
@@ -70,6 +81,7 @@ class AccumulateState(NamedTuple):
     num_skipped: jax.Array
     updated: jax.Array
     skip_state: Any = ()
+    value_accumulator: Any = ()
 
 
 class _Window(NamedTuple):
@@ -80,6 +92,7 @@ class _Window(NamedTuple):
     accumulator: optax.Updates
     weight_sum: jax.Array
     inner_state: optax.OptState
+    value: Any = ()  # the value slot: a scalar, or () if ``inner`` ignores value
 
 
 class _Engine(NamedTuple):
@@ -125,6 +138,8 @@ def _make_engine(
     axis_name: Any,
     names: tuple[str, str] = ("every_k", "skip_fn"),
     defer_axes: Any = None,
+    allow_value_fn: bool = False,
+    owner: str = "accumulate",
 ) -> _Engine:
     """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
     k_arg, skip_arg = names
@@ -137,6 +152,7 @@ def _make_engine(
         )
     inner = optax.with_extra_args_support(inner)
     check_every_k(every_k, arg=k_arg)
+    check_skip_fn(skip_fn, skip_arg)
     check_reduction(reduction)
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     mean = reduction == "mean"
@@ -147,7 +163,7 @@ def _make_engine(
     def acc_like(x: jax.Array) -> jax.Array:
         # Each buffer has its parameter's sharding (unreduced over the
         # deferred axes): never a replicated copy of a sharded parameter.
-        dtype = x.dtype if acc_dtype is None else acc_dtype
+        dtype = accumulator_dtype_for(jnp.result_type(x), acc_dtype)
         zeros = _layout.zeros_like(x, dtype, _layout.deferrable(x, defer))
         return jnp.reshape(zeros, slot + jnp.shape(x)) if slot else zeros
 
@@ -155,12 +171,17 @@ def _make_engine(
         return jax.tree.map(lambda a: jnp.reshape(a, slot + jnp.shape(a)), x)
 
     def init_window(params: optax.Params) -> _Window:
+        inner_state = inner.init(params)
+        value = ()
+        if reads_value(inner, params, inner_state):
+            value = jnp.zeros(slot, value_dtype(params))
         return _Window(
             micro_step=jnp.zeros([], jnp.int32),
             update_step=jnp.zeros([], jnp.int32),
             accumulator=jax.tree.map(acc_like, params),
             weight_sum=jnp.zeros(slot, jnp.float32),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
+            value=value,
         )
 
     def init_skip_state(params: optax.Params) -> Any:
@@ -197,30 +218,47 @@ def _make_engine(
                 )
         _layout.check_like(grads, window.accumulator, len(slot))
         w = check_weight(weight)
+        close_window = check_close_window(close_window)
+        extra_args = dict(extra_args)
+        check_value_fn(extra_args, allow_value_fn, owner)
+        # Over a window, `value` and `grad` describe the large batch: the value
+        # is accumulated in its slot (if `inner` reads it), `grad` replaced.
+        has_value = not isinstance(window.value, tuple) and "value" in extra_args
+        value_in = check_value(extra_args.pop("value")) if has_value else None
+        pass_grad = extra_args.pop("grad", None) is not None
 
+        # A weight that is not finite or is negative rejects the micro-batch.
+        # With an axis name and no skip_fn, agreeing would cost an all-reduce
+        # per micro-step: the device's micro-batch then just weighs 0.
+        bad_weight = jnp.logical_not(weight_ok(w))
         if skip_fn is None:
-            accept = jnp.ones([], jnp.bool_)
             skip_state = ()
+            should_skip = bad_weight if axis_name is None else jnp.bool_(False)
         else:
             should_skip, skip_state = normalize_skip_result(
                 skip_fn(grads, window.update_step, params), skip_arg
             )
+            should_skip = jnp.logical_or(should_skip, bad_weight)
             if axis_name is not None:
                 # Every device must agree, or their windows (and collectives)
                 # would diverge: one scalar all-reduce per micro-step.
                 should_skip = lax.psum(should_skip.astype(jnp.int32), axis_name) > 0
-            accept = jnp.logical_not(should_skip)
+        accept = jnp.logical_not(should_skip)
 
         k = current_k(window.update_step)
         first = window.micro_step == 0
-        w = jnp.where(accept, w, 0.0)
+        w = jnp.where(jnp.logical_and(accept, jnp.logical_not(bad_weight)), w, 0.0)
         w_old = jnp.where(first, 0.0, window.weight_sum.reshape([]))
         w_new = w_old + w
+        # Nothing has been added while the weights sum to 0: the next
+        # contribution overwrites the (stale) buffer.
+        fresh = w_old == 0
+        # A micro-batch of weight 0 contributes nothing, whatever its values
+        # (a 0/0 = NaN token mean of an all-padding micro-batch): select, not
+        # multiply, as 0 * NaN = NaN.
+        contributes = w > 0
         if mean:
-            fresh = w_old == 0
             coef = jnp.where(w_new > 0, w / jnp.where(w_new > 0, w_new, 1.0), 0.0)
-        else:
-            fresh = first
 
         # One fused elementwise pass per leaf. The first micro-batch of a
         # window overwrites the accumulator, so a reset is never read.
@@ -231,31 +269,38 @@ def _make_engine(
             else:
                 wg = _layout.scale(g, w)
                 new = jnp.where(fresh, wg, a + wg)
-            return jnp.where(accept, new, a)
+            return jnp.where(contributes, new, a)
 
         micro = window.micro_step + accept.astype(jnp.int32)
-        emit = jnp.logical_and(
-            micro > 0, jnp.logical_or(micro >= k, jnp.asarray(close_window))
-        )
+        emit = jnp.logical_and(micro > 0, jnp.logical_or(micro >= k, close_window))
 
         dynamic, static = _split_extra_args(extra_args)
 
         def inner_update(g, inner_state, params, dynamic):
             return inner.update(g, inner_state, params, **static, **dynamic)
 
-        def reduced(acc, w_sum):
-            acc = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), acc)
+        def window_args(dynamic, g, value):
+            """The extra args of the window: its gradient and value."""
+            dynamic = dict(dynamic)
+            if pass_grad:
+                dynamic["grad"] = g
+            if value_in is not None:
+                dynamic["value"] = value.astype(value_in.dtype)
+            return dynamic
+
+        def reduced(tree, w_sum):
+            """The window's reduction over devices, and the total weight."""
+            tree = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), tree)
             # The deferred data-parallel reduction, once per update.
-            acc = jax.tree.map(_layout.finish, acc)
+            tree = jax.tree.map(_layout.finish, tree)
+            # A device (or window) whose weights sum to 0 holds a stale buffer.
+            local_tree = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), tree)
             if axis_name is None:
-                out = acc
-                if mean:
-                    out = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), out)
-                return out
+                return local_tree, w_sum
             if mean:
                 # One all-reduce for the weighted sum and the weight together.
                 local_sum = jax.tree.map(
-                    lambda a: jnp.where(w_sum > 0, w_sum.astype(a.dtype) * a, 0), acc
+                    lambda a: w_sum.astype(a.dtype) * a, local_tree
                 )
                 total_sum, total = lax.psum((local_sum, w_sum), axis_name)
                 return jax.tree.map(
@@ -263,11 +308,17 @@ def _make_engine(
                         total > 0, a / jnp.where(total > 0, total, 1), 0
                     ),
                     total_sum,
-                )
-            return jax.tree.map(lambda a: lax.psum(a, axis_name), acc)
+                ), total
+            return lax.psum((local_tree, w_sum), axis_name)
 
         def cast_like(tree, like):
-            return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+            def cast(x, y):
+                # PRNG keys (noisy_sgd) and other extended dtypes stay as they are.
+                if x.dtype == y.dtype or jnp.issubdtype(y.dtype, jax.dtypes.extended):
+                    return x
+                return x.astype(y.dtype)
+
+            return jax.tree.map(cast, tree, like)
 
         # The accumulator is updated in place outside the cond, and never
         # reset: a window's first micro-batch overwrites it (``fresh`` above).
@@ -275,35 +326,79 @@ def _make_engine(
         # Routing the accumulator through the cond, or a separate reset pass,
         # costs XLA a full copy of it per micro-step.
         acc = jax.tree.map(add, grads, window.accumulator)
+        value_acc = window.value
+        if value_in is not None:
+            value_acc = add(value_in, window.value)
 
-        def on_boundary(acc, w_sum, inner_state, params, dynamic):
-            g = cast_like(reduced(acc, w_sum), grads)
-            updates, new_inner = inner_update(g, inner_state, params, dynamic)
-            return updates, cast_like(new_inner, inner_state)
+        def updates_of(g, inner_state, params):
+            g = jax.tree.map(_layout.finish, g)  # what the boundary passes on
+            zero_value = jnp.zeros([], jnp.float32)
+            return inner_update(
+                g, inner_state, params, window_args(dynamic, g, zero_value)
+            )[0]
 
-        updates_shape = jax.eval_shape(
-            lambda g, *a: inner_update(jax.tree.map(_layout.finish, g), *a)[0],
-            grads,
+        updates_shape = jax.eval_shape(updates_of, grads, window.inner_state, params)
+
+        def hold(inner_state):
+            return _zeros(updates_shape, window.update_step), inner_state, False
+
+        def on_boundary(acc, value_acc, w_sum, inner_state, params, dynamic):
+            (g, value), total = reduced((acc, value_acc), w_sum)
+            g = cast_like(g, grads)
+
+            def step_inner(g, value, inner_state, params, dynamic):
+                dynamic = window_args(dynamic, g, value)
+                updates, new_inner = inner_update(g, inner_state, params, dynamic)
+                return updates, cast_like(new_inner, inner_state), True
+
+            def skip_inner(g, value, inner_state, params, dynamic):
+                del g, value, params, dynamic
+                return hold(inner_state)
+
+            if axis_name is None:  # the predicate already checked the weight
+                return step_inner(g, value, inner_state, params, dynamic)
+            # A window whose weights sum to 0 (all padding) steps nothing.
+            return lax.cond(
+                total > 0,
+                step_inner,
+                skip_inner,
+                g,
+                value,
+                inner_state,
+                params,
+                dynamic,
+            )
+
+        def on_hold(acc, value_acc, w_sum, inner_state, params, dynamic):
+            del acc, value_acc, w_sum, params, dynamic
+            return hold(inner_state)
+
+        # Without an axis name the total weight is known here: a window whose
+        # weights sum to 0 emits zeros and leaves the inner state untouched.
+        run = emit if axis_name is not None else jnp.logical_and(emit, w_new > 0)
+        updates, inner_state, stepped = lax.cond(
+            run,
+            on_boundary,
+            on_hold,
+            acc,
+            value_acc,
+            w_new,
             window.inner_state,
             params,
             dynamic,
         )
-
-        def on_hold(acc, w_sum, inner_state, params, dynamic):
-            del acc, w_sum, params, dynamic
-            return _zeros(updates_shape, window.update_step), inner_state
-
-        updates, inner_state = lax.cond(
-            emit, on_boundary, on_hold, acc, w_new, window.inner_state, params, dynamic
-        )
+        stepped = jnp.asarray(stepped, jnp.bool_)
         new_window = _Window(
             micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
-            update_step=(window.update_step + emit.astype(jnp.int32)).astype(jnp.int32),
+            update_step=(window.update_step + stepped.astype(jnp.int32)).astype(
+                jnp.int32
+            ),
             accumulator=acc,
             weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32).reshape(slot),
             inner_state=inner_state,
+            value=value_acc,
         )
-        return updates, new_window, emit, jnp.logical_not(accept), local(skip_state)
+        return updates, new_window, stepped, jnp.logical_not(accept), local(skip_state)
 
     return _Engine(init_window, step, init_skip_state)
 
@@ -313,10 +408,11 @@ def accumulate(
     every_k: EveryK,
     *,
     reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = "promote",
     skip_fn: SkipFn | None = None,
     axis_name: Any = None,
     defer_axes: Any = None,
+    allow_value_fn: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates gradients over ``every_k`` micro-steps, then runs ``inner``.
 
@@ -336,11 +432,22 @@ def accumulate(
     token-mean loss per micro-batch, the mean is exactly the full-batch
     token-mean gradient.
 
-    ``update`` takes extra keyword arguments: ``weight`` (a scalar, default 1),
-    ``close_window`` (a boolean scalar: when true, this micro-batch closes the
-    window early and the update averages over what was accumulated, e.g. the
-    last, partial window of an epoch), and anything else, which is forwarded to
-    ``inner`` (``value``, ``grad``, ``value_fn`` for line searches).
+    ``update`` takes extra keyword arguments: ``weight`` (a finite scalar
+    >= 0, default 1), ``close_window`` (a boolean scalar: when true, this
+    micro-batch closes the window early and the update averages over what was
+    accumulated, e.g. the last, partial window of an epoch), and anything
+    else, which reaches ``inner`` on the boundary step as the large batch would
+    pass it: ``value`` (the micro-batch's loss) is accumulated like the
+    gradients when ``inner`` reads it (``reduce_on_plateau``), ``grad`` is
+    replaced by the accumulated gradient, and ``value_fn`` raises unless
+    ``allow_value_fn``. Other extra args are forwarded as given on the
+    boundary micro-step.
+
+    A micro-batch whose weight is NaN, infinite or negative is rejected like a
+    ``skip_fn`` rejection and counted in ``num_skipped``. A micro-batch of
+    weight 0 contributes nothing, even if its gradients are NaN. A window
+    whose weights sum to 0 (all padding) emits zeros and leaves ``inner``'s
+    state and ``update_step`` untouched, like a hold step.
 
     Under ``jax.vmap``, ``lax.cond`` with a batched predicate runs both
     branches, so the inner optimizer then runs on every micro-step.
@@ -351,15 +458,23 @@ def accumulate(
         ``update_step`` returning it (traced, so a schedule of k does not
         recompile). A traced value below 1 is treated as 1.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      accumulator_dtype: floating dtype of the accumulator, or ``None`` to use
-        each gradient's dtype. The default float32 accumulates bf16 and fp16
-        gradients exactly enough; emitted updates have ``inner``'s dtypes.
+      accumulator_dtype: ``"promote"`` (the default): each gradient's dtype
+        promoted to at least float32, of its own kind (bf16 and fp16
+        accumulate in float32, float64 and complex stay as they are); a
+        floating or complex dtype; or ``None`` for each gradient's own dtype.
+        Emitted updates have ``inner``'s dtypes.
       skip_fn: optional `SkipFn`. A rejected micro-batch leaves the state as if
         it never arrived and is counted in ``num_skipped``.
       axis_name: inside ``pmap`` or ``shard_map``, the mapped axis. Do not
         ``pmean`` the gradients yourself: each device accumulates its own and
         the weighted cross-device reduction runs once, in the boundary branch.
-        With ``skip_fn`` the devices also agree on skipping (a scalar psum).
+        With ``skip_fn`` the devices also agree on skipping (a scalar psum);
+        without one, a device's bad weight counts as 0 (not in
+        ``num_skipped``), which keeps the devices in step without it.
+      allow_value_fn: accept a ``value_fn`` extra argument (line searches such
+        as ``optax.lbfgs``). A line search evaluates ``value_fn`` at trial
+        points, so set this only if it computes the loss of the whole window,
+        not of one micro-batch; it is forwarded as given.
       defer_axes: in a global-view ``jit`` step on an Explicit mesh, the mesh
         axis (or axes) that shard the batch, when the gradients come from
         ``jax.grad(loss)(optax_accum.defer_reduction(params, axes), batch)``:
@@ -378,9 +493,13 @@ def accumulate(
 
     Raises:
       ValueError: for ``every_k`` < 1, an unknown ``reduction``, gradients that
-        do not match the state, or a non-scalar ``weight``.
+        do not match the state, a non-scalar ``weight`` or ``close_window``, a
+        constant ``weight`` that is negative or not finite, or a ``value_fn``
+        without ``allow_value_fn``.
       TypeError: for a non-integer ``every_k``, a non-float
-        ``accumulator_dtype`` or a ``skip_fn`` that returns no boolean scalar.
+        ``accumulator_dtype``, a ``skip_fn`` that is not a skip function (e.g.
+        the factory ``skip_large_updates`` uncalled) or returns no boolean
+        scalar, or a ``weight`` that is not a real number.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -404,6 +523,7 @@ def accumulate(
         skip_fn,
         axis_name,
         defer_axes=defer_axes,
+        allow_value_fn=allow_value_fn,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -417,6 +537,7 @@ def accumulate(
             num_skipped=jnp.zeros([], jnp.int32),
             updated=jnp.zeros([], jnp.bool_),
             skip_state=engine.init_skip_state(params),
+            value_accumulator=window.value,
         )
 
     def update_fn(
@@ -428,12 +549,14 @@ def accumulate(
         close_window: jax.typing.ArrayLike = False,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        warn_if_clipped_before("accumulate")
         window = _Window(
             state.micro_step,
             state.update_step,
             state.accumulator,
             state.weight_sum,
             state.inner_state,
+            state.value_accumulator,
         )
         updates, window, emitted, skipped, skip_state = engine.step(
             grads, window, params, weight, close_window, extra_args
@@ -447,6 +570,7 @@ def accumulate(
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),
             updated=emitted,
             skip_state=skip_state,
+            value_accumulator=window.value,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -494,37 +618,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
             num_skipped=replicated,
             updated=replicated,
             skip_state=fill(x.skip_state, sharded),
+            value_accumulator=fill(x.value_accumulator, sharded),
         )
 
     return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))
-
-
-def has_updated(state: Any) -> jax.Array:
-    """Whether the call that produced ``state`` emitted an update.
-
-    Args:
-      state: an `AccumulateState`, or any optimizer state that holds exactly
-        one, e.g. ``optax.chain(accumulate(...), ...)``'s tuple.
-
-    Returns:
-      A boolean scalar.
-
-    Raises:
-      ValueError: if ``state`` holds no `AccumulateState`, or several.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optax_accum
-      >>> tx = optax.chain(optax_accum.accumulate(optax.sgd(1.0), 1))
-      >>> params = {"w": jnp.zeros(2)}
-      >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
-      >>> bool(optax_accum.has_updated(state))
-      True
-    """
-    is_acc = lambda x: isinstance(x, AccumulateState)
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_acc) if is_acc(x)]
-    if len(found) != 1:
-        raise ValueError(
-            "`state` must hold exactly one AccumulateState, found "
-            f"{len(found)} in {type(state).__name__}."
-        )
-    return jnp.asarray(found[0].updated)

@@ -28,7 +28,10 @@ from ._microbatch_sharding import (
     to_varying,
 )
 from ._validation import (
+    accumulator_dtype_for,
     canonical_accumulator_dtype,
+    check_fun_output,
+    check_no_nnx_modules,
     check_positive_int,
     check_reduction,
 )
@@ -157,9 +160,10 @@ def microbatch(
       has_aux: whether ``fun`` returns ``((value, aux), grads)``.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
       weight_fn: optional `WeightFn`; weights are float32 scalars.
-      accumulator_dtype: floating dtype of the gradient accumulator, or
-        ``None`` for each gradient's dtype (values accumulate in at least
-        float32). Results come back in ``fun``'s dtypes.
+      accumulator_dtype: floating (or complex) dtype of the gradient
+        accumulator, ``"promote"`` (at least float32, of each gradient's
+        kind), or ``None`` for each gradient's dtype (values accumulate in at
+        least float32). Results come back in ``fun``'s dtypes.
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or axes) to
         reduce over once, after the loop.
       rng_argnums: positional argument(s) of ``fun`` holding PRNG keys.
@@ -311,8 +315,10 @@ def _build(
     def call(args: list, kwargs: dict, state: Any) -> tuple:
         if stateful:
             out, state = fun(*args, state=state, **kwargs)
+            check_fun_output(out, has_aux)
         else:
             out = fun(*args, **kwargs)
+        check_fun_output(out, has_aux)
         (value, aux), grads = out if has_aux else ((out[0], None), out[1])
         return value, grads, aux, state
 
@@ -371,7 +377,7 @@ def _build(
             return jnp.promote_types(s.dtype, jnp.float32)
 
         def g_dtype(s):
-            return s.dtype if acc_dtype is None else acc_dtype
+            return accumulator_dtype_for(s.dtype, acc_dtype)
 
         init = (
             jax.tree.map(lambda s: zeros(s, v_dtype(s)), v_shape),
@@ -391,8 +397,12 @@ def _build(
                 if not weighted:
                     return a + x
                 if mean:
-                    return a + coef.astype(a.dtype) * (x - a)
-                return a + w.astype(a.dtype) * x
+                    new = a + coef.astype(a.dtype) * (x - a)
+                else:
+                    new = a + w.astype(a.dtype) * x
+                # Weight 0 contributes nothing, even a 0/0 = NaN token mean of
+                # an all-padding micro-batch (0 * NaN would be NaN): select.
+                return jnp.where(w > 0, new, a)
 
             acc_v = jax.tree.map(add, acc_v, value)
             acc_g = jax.tree.map(add, acc_g, grads)
@@ -437,6 +447,7 @@ def _build(
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         state = kwargs.pop("state", None) if stateful else None
+        check_no_nnx_modules((args, kwargs))
         args, size = split_batch(list(args))
         if user_axes is not None:
             # Invariant inputs would get their cotangents psum-ed inside `fun`.

@@ -127,7 +127,8 @@ def reduce_single(tree: Any, w: jax.Array, axes: tuple, mean: bool) -> Any:
 
     def red(x):
         wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        return lax.psum(w * wide, axes).astype(x.dtype)
+        # Select, not multiply: a weight-0 device's NaN must not spread.
+        return lax.psum(jnp.where(w > 0, w * wide, 0), axes).astype(x.dtype)
 
     return jax.tree.map(red, tree)
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 
 from ._accumulate import _make_engine, _Window
+from ._extra_args import reads_value, value_dtype
+from ._mistakes import warn_if_clipped_before
 
 
 class MultiStepsState(NamedTuple):
@@ -32,6 +34,9 @@ class MultiStepsState(NamedTuple):
       acc_grads: the running mean (or sum) of the window's gradients; stale
         (not zeroed) when ``mini_step == 0``.
       skip_state: what ``should_skip_update_fn`` returned as its second output.
+      acc_value: ours only, after optax's fields: the window's running
+        ``value`` (the loss passed to ``update``) when the wrapped optimizer
+        reads it (``reduce_on_plateau``, line searches), else ``()``.
     """
 
     mini_step: jax.typing.ArrayLike
@@ -39,6 +44,7 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: Any
     acc_grads: Any
     skip_state: Any = ()
+    acc_value: Any = ()
 
 
 class MultiSteps:
@@ -55,9 +61,18 @@ class MultiSteps:
       should_skip_update_fn: optional, e.g. ``optax.skip_not_finite`` or
         ``optax_accum.skip_not_finite``: ``fn(updates, gradient_step, params)``
         returning ``(should_skip, skip_state)`` (or just ``should_skip``).
-      accumulator_dtype: dtype of the accumulator, float32 by default.
+      accumulator_dtype: dtype of the accumulator: ``"promote"`` (the
+        default: at least float32, of the gradient's own kind), a floating or
+        complex dtype, or ``None`` for the gradient's dtype.
       defer_axes: as in `accumulate`: the mesh axes over which the gradients
         arrive unreduced (from `defer_reduction`), reduced once per update.
+      allow_value_fn: accept a ``value_fn`` extra argument (line searches),
+        vouching that it computes the whole window's loss; see `accumulate`.
+
+    Extra arguments of ``update`` mean what they mean for `accumulate`:
+    ``value`` is averaged over the window (optax's ``MultiSteps`` passes the
+    last mini-step's), ``grad`` is the accumulated gradient, and ``value_fn``
+    needs ``allow_value_fn``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -76,7 +91,9 @@ class MultiSteps:
         every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., Any] | None = None,
-        accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
+        accumulator_dtype: Any = "promote",
+        *,
+        allow_value_fn: bool = False,
         defer_axes: Any = None,
     ):
         self._opt = optax.with_extra_args_support(opt)
@@ -89,6 +106,8 @@ class MultiSteps:
             None,
             names=("every_k_schedule", "should_skip_update_fn"),
             defer_axes=defer_axes,
+            allow_value_fn=allow_value_fn,
+            owner="MultiSteps",
         )
 
     @property
@@ -103,6 +122,7 @@ class MultiSteps:
             inner_opt_state=window.inner_state,
             acc_grads=window.accumulator,
             skip_state=self._engine.init_skip_state(params),
+            acc_value=window.value,
         )
 
     def update(
@@ -112,14 +132,24 @@ class MultiSteps:
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
+        warn_if_clipped_before("MultiSteps")
         # Unit weights: the window's weight sum is its accepted mini-step count.
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
+        value = getattr(state, "acc_value", ())
+        # An optax state has no value slot: the window's value starts here.
+        if (
+            not isinstance(state, MultiStepsState)
+            and "value" in extra_args
+            and reads_value(self._opt, params, state.inner_opt_state)
+        ):
+            value = jnp.asarray(extra_args["value"], value_dtype(params))
         window = _Window(
             micro_step=mini_step,
             update_step=jnp.asarray(state.gradient_step, jnp.int32),
             accumulator=state.acc_grads,
             weight_sum=mini_step.astype(jnp.float32),
             inner_state=state.inner_opt_state,
+            value=value,
         )
         new_updates, window, _, _, skip_state = self._engine.step(
             updates, window, params, None, False, extra_args
@@ -130,11 +160,18 @@ class MultiSteps:
             inner_opt_state=window.inner_state,
             acc_grads=window.accumulator,
             skip_state=skip_state,
+            acc_value=window.value,
         )
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
-        """True when ``state`` comes right after an update (optax's definition)."""
-        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        """True when ``state`` comes right after an update (optax's definition).
+
+        ``state`` may also be held by Flax's ``nnx.Optimizer`` (wrapped arrays).
+        """
+        mini_step, gradient_step = map(
+            jnp.asarray, (state.mini_step, state.gradient_step)
+        )
+        return jnp.logical_and(mini_step == 0, gradient_step > 0)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)

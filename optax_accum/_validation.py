@@ -8,7 +8,9 @@ argument and the value, so bad input never turns into a silently wrong update.
 
 from __future__ import annotations
 
+import inspect
 import operator
+import sys
 from typing import Any
 
 import jax
@@ -65,35 +67,123 @@ def check_every_k(
         check_positive_int(every_k, name)
 
 
+PROMOTE = "promote"
+
+
 def canonical_accumulator_dtype(dtype: Any) -> Any:
-    """Returns a canonical floating dtype, or None for 'same as the gradient'."""
-    if dtype is None:
-        return None
+    """Returns a canonical dtype, ``"promote"``, or None ('the gradient's dtype')."""
+    if dtype is None or (isinstance(dtype, str) and dtype == PROMOTE):
+        return dtype
+    message = (
+        "`accumulator_dtype` must be a floating dtype (or a complex one), "
+        f'"{PROMOTE}" or None, got {dtype!r}.'
+    )
     try:
         canonical = jnp.dtype(dtype)
     except TypeError as e:
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype or None, got {dtype!r}."
-        ) from e
-    if not jnp.issubdtype(canonical, jnp.floating):
-        raise TypeError(
-            f"`accumulator_dtype` must be a floating dtype or None, got {dtype!r}."
-        )
+        raise TypeError(message) from e
+    if not jnp.issubdtype(canonical, jnp.inexact):
+        raise TypeError(message)
     return canonical
 
 
+def accumulator_dtype_for(grad_dtype: Any, spec: Any) -> Any:
+    """The accumulator dtype for a gradient leaf, from a canonical ``spec``.
+
+    ``"promote"`` never loses information: at least float32, of the gradient's
+    own kind (complex stays complex, float64 stays float64). An explicit real
+    dtype for a complex gradient would drop the imaginary part, so it raises.
+    """
+    grad_dtype = jnp.dtype(grad_dtype)
+    if spec is None:
+        return grad_dtype
+    if isinstance(spec, str):
+        return jnp.promote_types(grad_dtype, jnp.float32)
+    if jnp.issubdtype(grad_dtype, jnp.complexfloating) and not jnp.issubdtype(
+        spec, jnp.complexfloating
+    ):
+        raise TypeError(
+            f"`accumulator_dtype`={spec} would drop the imaginary part of "
+            f"{grad_dtype} gradients: pass a complex dtype, "
+            f'"{PROMOTE}" (the default) or None.'
+        )
+    return spec
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer) and not isinstance(x, jax.Array)
+
+
 def check_weight(weight: Any) -> jax.Array:
-    """Returns the micro-batch weight as a float32 scalar."""
+    """Returns the micro-batch weight as a float32 scalar.
+
+    A Python or NumPy constant that is negative or not finite raises; a traced
+    bad weight is rejected at run time by the engine (see `weight_ok`).
+    """
     if weight is None:
         return jnp.ones([], jnp.float32)
+    if isinstance(weight, str | bytes):
+        raise TypeError(f"`weight` must be a real number, got {weight!r}.")
     if np.ndim(weight) != 0:
         raise ValueError(
             f"`weight` must be a scalar, got shape {np.shape(weight)}: {weight!r}."
         )
-    dtype = jnp.result_type(weight)
+    try:
+        dtype = jnp.result_type(weight)
+    except (TypeError, ValueError):
+        raise TypeError(f"`weight` must be a real number, got {weight!r}.") from None
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"`weight` must be a real number, got dtype {dtype}.")
+    if _is_concrete(weight) and not (np.isfinite(weight) and weight >= 0):
+        raise ValueError(f"`weight` must be finite and >= 0, got {weight!r}.")
     return jnp.asarray(weight, jnp.float32)
+
+
+def weight_ok(w: jax.Array) -> jax.Array:
+    """Whether a (traced) weight is usable: finite and >= 0."""
+    return jnp.logical_and(jnp.isfinite(w), w >= 0)
+
+
+def check_close_window(close_window: Any) -> jax.Array:
+    """Returns ``close_window`` as a boolean scalar, or raises naming it."""
+    if isinstance(close_window, str | bytes) or np.ndim(close_window) != 0:
+        raise ValueError(
+            "`close_window` must be a boolean scalar, got "
+            f"shape {np.shape(close_window)}: {close_window!r}."
+        )
+    try:
+        dtype = jnp.result_type(close_window)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"`close_window` must be a boolean scalar, got {close_window!r}."
+        )
+    return jnp.asarray(close_window)
+
+
+def check_skip_fn(skip_fn: Any, arg: str) -> None:
+    """Rejects a non-callable, or a skip-function factory passed uncalled."""
+    if skip_fn is None:
+        return
+    from ._skip import skip_large_updates
+
+    if skip_fn is skip_large_updates:
+        raise TypeError(
+            f"`{arg}` is the factory `skip_large_updates`, not a skip function: "
+            "call it: skip_large_updates(max_norm)."
+        )
+    if not callable(skip_fn):
+        raise TypeError(f"`{arg}` must be callable or None, got {skip_fn!r}.")
+    try:
+        inspect.signature(skip_fn).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"`{arg}` must take (grads, step, params), got {skip_fn!r} with "
+            f"signature {inspect.signature(skip_fn)}."
+        ) from None
+    except ValueError:  # no signature (a builtin): trust it
+        pass
 
 
 def normalize_skip_result(result: Any, arg: str = "skip_fn") -> tuple[jax.Array, Any]:
@@ -109,3 +199,59 @@ def normalize_skip_result(result: Any, arg: str = "skip_fn") -> tuple[jax.Array,
             f"pytree), got {flag!r}."
         )
     return jnp.asarray(flag), skip_state
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of length {len(x)}"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"an array of shape {tuple(shape)}"
+    return f"a {type(x).__name__}"
+
+
+def check_fun_output(out: Any, has_aux: bool) -> None:
+    """Checks ``microbatch``'s ``fun`` returned ``(value, grads)`` as declared."""
+    expected = "((value, aux), grads)" if has_aux else "(value, grads)"
+    hint = ""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        if getattr(out, "shape", None) == ():
+            hint = (
+                " It returned a scalar: pass a value-and-grad function, e.g. "
+                "jax.value_and_grad(loss), not the loss."
+            )
+        else:
+            hint = (
+                " Gradients alone? Pass jax.value_and_grad(loss), not jax.grad(loss)."
+            )
+        raise TypeError(f"`fun` must return {expected}, got {_describe(out)}.{hint}")
+    first = out[0]
+    first_is_pair = isinstance(first, tuple | list) and len(first) == 2
+    if has_aux and not first_is_pair:
+        raise TypeError(
+            f"`fun` must return ((value, aux), grads) with `has_aux=True`, but "
+            f"its first output is {_describe(first)}, not a (value, aux) pair: "
+            "pass has_aux=False, or use jax.value_and_grad(loss, has_aux=True)."
+        )
+    if not has_aux and first_is_pair:
+        raise TypeError(
+            "`fun` must return (value, grads) with `has_aux=False`, but its value "
+            f"is {_describe(first)}: if `fun` returns ((value, aux), grads), pass "
+            "has_aux=True."
+        )
+
+
+def check_no_nnx_modules(args: Any) -> None:
+    """Flax nnx modules cannot cross `microbatch`'s scan as arguments."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    is_module = lambda x: isinstance(x, nnx.Module)
+    if any(is_module(x) for x in jax.tree.leaves(args, is_leaf=is_module)):
+        raise TypeError(
+            "`microbatch` got a flax.nnx Module as an argument; nnx modules are "
+            "mutable objects, not arrays, and cannot be sliced per micro-batch "
+            "inside `lax.scan`. Use optax_accum.flax.nnx_train_step(loss_fn, k), "
+            "which splits the model into arrays (and threads its state), or pass "
+            "nnx.split(model)'s arrays to a function that merges them."
+        )

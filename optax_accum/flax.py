@@ -16,9 +16,39 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import optax
 from flax import nnx
 
+from ._extra_args import reads_value
 from ._microbatch import microbatch_with_state
+from ._validation import check_positive_int
+
+_RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
+
+
+def _check_step_args(
+    loss_fn: Any, num_micro_batches: Any, microbatch_kwargs: dict, helper: str
+) -> None:
+    """Validates a helper's arguments at construction, as `microbatch` does."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {loss_fn!r}.")
+    k = check_positive_int(num_micro_batches, "num_micro_batches")
+    for name in _RESERVED:
+        if name in microbatch_kwargs:
+            raise TypeError(
+                f"`{name}` is set by {helper} itself; it takes `has_aux` as its "
+                "own keyword and builds the batch and rng arguments from the "
+                "step's signature."
+            )
+    # Builds (does not run) a microbatch to check the remaining keywords.
+    microbatch_with_state(lambda *a, state: None, k, **microbatch_kwargs)
+
+
+def _with_value(opt_kwargs: dict, tx: Any, params: Any, opt_state: Any, loss: Any):
+    """Adds the step's loss as ``value`` when the optimizer reads one."""
+    if "value" not in opt_kwargs and reads_value(tx, params, opt_state):
+        return {**opt_kwargs, "value": loss}
+    return opt_kwargs
 
 
 def nnx_train_step(
@@ -36,6 +66,14 @@ def nnx_train_step(
     computes the mean loss and gradients with `optax_accum.microbatch`, calls
     ``optimizer.update(model, grads)`` once and writes the threaded state back
     into ``model``. Wrap it in ``nnx.jit``.
+
+    Optimizer extra arguments: keyword arguments of ``step`` are forwarded to
+    ``optimizer.update``. When the optimizer reads ``value`` (e.g.
+    ``optax.contrib.reduce_on_plateau``) and none is given, the step passes its
+    own loss, the mean over all k micro-batches (the large batch's loss).
+
+    ``optimizer.step`` counts calls of ``optimizer.update``: one per step here,
+    so it counts optimizer updates.
 
     Dropout: the model's own ``nnx.Rngs`` stream advances once per micro-batch,
     so every micro-batch draws a fresh mask, the same masks k small steps
@@ -69,8 +107,11 @@ def nnx_train_step(
       >>> loss.shape
       ()
     """
+    _check_step_args(loss_fn, num_micro_batches, microbatch_kwargs, "nnx_train_step")
 
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any) -> Any:
+    def step(
+        model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any, **opt_kwargs: Any
+    ) -> Any:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def fun(params, *batch, state):
@@ -95,7 +136,14 @@ def nnx_train_step(
         )
         ((loss, aux), grads), new_rest = mb(params, *batch, state=rest)
         nnx.update(model, new_rest)
-        optimizer.update(model, grads)
+        opt_kwargs = _with_value(
+            opt_kwargs,
+            optimizer.tx,
+            nnx.as_pure(nnx.state(model, optimizer.wrt)),
+            nnx.as_pure(optimizer.opt_state),
+            loss,
+        )
+        optimizer.update(model, grads, **opt_kwargs)
         return (loss, aux) if has_aux else loss
 
     return step
@@ -110,24 +158,36 @@ def linen_train_step(
 ) -> Callable[..., Any]:
     """Builds ``step(state, *batch, rng=None)`` for a `flax.linen` TrainState.
 
-    ``state`` is a ``flax.training.train_state.TrainState`` subclass with a
-    ``batch_stats`` field. ``loss_fn(params, batch_stats, rng, *batch)``
-    returns ``(loss, new_batch_stats)``, or ``((loss, aux), new_batch_stats)``
-    with ``has_aux``; typically it calls ``state.apply_fn`` with
-    ``mutable=["batch_stats"]`` and ``rngs={"dropout": rng}``. Micro-batch
-    ``i`` receives ``jax.random.fold_in(rng, i)`` (for each key, if ``rng`` is
-    a dict of keys), and the batch statistics micro-batch ``i - 1`` returned.
-    The step then calls ``state.apply_gradients`` once. Wrap it in ``jax.jit``.
+    Two shapes of ``state``, told apart by its ``batch_stats`` field:
+
+    - a ``flax.training.train_state.TrainState`` subclass with a
+      ``batch_stats`` field: ``loss_fn(params, batch_stats, rng, *batch)``
+      returns ``(loss, new_batch_stats)``, or ``((loss, aux),
+      new_batch_stats)`` with ``has_aux``; typically it calls
+      ``state.apply_fn`` with ``mutable=["batch_stats"]``. Micro-batch ``i``
+      gets the batch statistics micro-batch ``i - 1`` returned.
+    - a plain ``TrainState`` (no BatchNorm, most language models):
+      ``loss_fn(params, rng, *batch)`` returns ``loss`` or ``(loss, aux)``.
+
+    Micro-batch ``i`` receives ``jax.random.fold_in(rng, i)`` (for each key,
+    if ``rng`` is a dict of keys). The step then applies the gradients once.
+    Wrap it in ``jax.jit``.
+
+    Optimizer extra arguments: keyword arguments of ``step`` other than
+    ``rng`` are forwarded to ``state.tx.update``. When the optimizer reads
+    ``value`` (``reduce_on_plateau``) and none is given, the step passes its
+    own loss, the mean over all k micro-batches.
 
     Args:
-      loss_fn: ``loss_fn(params, batch_stats, rng, *batch)``, see above.
+      loss_fn: ``loss_fn(params, batch_stats, rng, *batch)`` or
+        ``loss_fn(params, rng, *batch)``, see above.
       num_micro_batches: k, as in `optax_accum.microbatch`.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)`` as its first output.
       **microbatch_kwargs: passed to `optax_accum.microbatch`.
 
     Returns:
-      ``step(state, *batch, rng=None) -> (new_state, loss)`` (or
-      ``(new_state, (loss, aux))``).
+      ``step(state, *batch, rng=None, **opt_kwargs) -> (new_state, loss)``
+      (or ``(new_state, (loss, aux))``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -151,10 +211,19 @@ def linen_train_step(
       1
     """
 
-    def step(state: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+    _check_step_args(loss_fn, num_micro_batches, microbatch_kwargs, "linen_train_step")
+
+    def step(
+        state: Any, *batch: Any, rng: Any = None, **opt_kwargs: Any
+    ) -> tuple[Any, Any]:
+        with_stats = hasattr(state, "batch_stats")
+
         def fun(params, rng, *batch, state):
             def loss_of(params):
-                out, new_stats = loss_fn(params, state, rng, *batch)
+                if with_stats:
+                    out, new_stats = loss_fn(params, state, rng, *batch)
+                else:
+                    out, new_stats = loss_fn(params, rng, *batch), ()
                 loss, aux = out if has_aux else (out, None)
                 return loss, (aux, new_stats)
 
@@ -171,10 +240,25 @@ def linen_train_step(
             has_aux=True,
             **microbatch_kwargs,
         )
-        ((loss, aux), grads), stats = mb(
-            state.params, rng, *batch, state=state.batch_stats
+        stats_in = state.batch_stats if with_stats else ()
+        ((loss, aux), grads), stats = mb(state.params, rng, *batch, state=stats_in)
+        stats_kw = {"batch_stats": stats} if with_stats else {}
+        opt_kwargs = _with_value(
+            opt_kwargs, state.tx, state.params, state.opt_state, loss
         )
-        new_state = state.apply_gradients(grads=grads, batch_stats=stats)
+        if opt_kwargs:
+            # TrainState.apply_gradients forwards no extra args to tx.update.
+            updates, opt_state = state.tx.update(
+                grads, state.opt_state, state.params, **opt_kwargs
+            )
+            new_state = state.replace(
+                step=state.step + 1,
+                params=optax.apply_updates(state.params, updates),
+                opt_state=opt_state,
+                **stats_kw,
+            )
+        else:
+            new_state = state.apply_gradients(grads=grads, **stats_kw)
         return new_state, ((loss, aux) if has_aux else loss)
 
     return step

@@ -402,12 +402,14 @@ def test_extra_args_are_forwarded_to_the_inner_optimizer():
 
 
 def test_line_search_optimizer_lbfgs():
-    # L-BFGS needs value, grad and value_fn: accumulate forwards them.
+    # L-BFGS needs value, grad and value_fn: value and grad are the window's.
     k = 2
     x, y = regression_data(16, seed=3)
     params = mlp_params(3)
     loss = lambda p: mlp_loss(p, x, y)
-    ref, tx = optax.lbfgs(), optax_accum.accumulate(optax.lbfgs(), k)
+    ref = optax.lbfgs()
+    # value_fn is the full-batch loss here, so the line search is exact.
+    tx = optax_accum.accumulate(optax.lbfgs(), k, allow_value_fn=True)
     # value_fn is a callable, not an array: it is closed over, not traced.
     ref_update = jax.jit(functools.partial(ref.update, value_fn=loss))
     update = jax.jit(functools.partial(tx.update, value_fn=loss))
