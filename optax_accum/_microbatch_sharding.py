@@ -150,7 +150,9 @@ def _reduce_aux(a: jax.Array, ws: jax.Array, axes: tuple) -> jax.Array:
         return lax.psum(a, axes)
     shape = ws.shape + (1,) * (a.ndim - 1)
     wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-    num = lax.psum(ws.reshape(shape) * wide, axes)
+    w = ws.reshape(shape)
+    # A weight-0 micro-batch contributes nothing, even a NaN (select, not 0 * x).
+    num = lax.psum(jnp.where(w > 0, w * wide, 0.0), axes)
     den = lax.psum(ws, axes).reshape(shape)
     safe = jnp.where(den > 0, den, 1.0)
     return jnp.where(den > 0, num / safe, 0.0).astype(a.dtype)
