@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from . import _noise_scale as ns
 from ._validation import (
     canonical_accumulator_dtype,
     check_every_k,
@@ -59,6 +60,7 @@ class AccumulateState(NamedTuple):
       num_skipped: int32, micro-batches rejected by ``skip_fn`` so far.
       updated: bool, whether the last call emitted an update.
       skip_state: what ``skip_fn`` returned as its second output, if anything.
+      noise_scale: a `NoiseScaleState` with ``noise_scale_decay``, else ``()``.
     """
 
     micro_step: jax.Array
@@ -69,6 +71,7 @@ class AccumulateState(NamedTuple):
     num_skipped: jax.Array
     updated: jax.Array
     skip_state: Any = ()
+    noise_scale: Any = ()
 
 
 class _Window(NamedTuple):
@@ -79,6 +82,7 @@ class _Window(NamedTuple):
     accumulator: optax.Updates
     weight_sum: jax.Array
     inner_state: optax.OptState
+    noise: Any = ()
 
 
 class _Engine(NamedTuple):
@@ -123,12 +127,17 @@ def _make_engine(
     skip_fn: SkipFn | None,
     axis_name: Any,
     names: tuple[str, str] = ("every_k", "skip_fn"),
+    noise_scale_decay: float | None = None,
 ) -> _Engine:
     """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
     k_arg, skip_arg = names
     inner = optax.with_extra_args_support(inner)
-    check_every_k(every_k, arg=k_arg)
+    decay = ns.check_decay(noise_scale_decay)
+    schedule = every_k if isinstance(every_k, ns.AdaptiveEveryK) else None
+    if schedule is None:
+        check_every_k(every_k, arg=k_arg)
     check_reduction(reduction)
+    ns.check_engine_args(decay, schedule, reduction, k_arg)
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     mean = reduction == "mean"
     # With an axis name, device-local leaves carry a leading axis of length 1,
@@ -149,6 +158,7 @@ def _make_engine(
             accumulator=jax.tree.map(acc_like, params),
             weight_sum=jnp.zeros(slot, jnp.float32),
             inner_state=inner.init(params),
+            noise=() if decay is None else ns.init(slot, schedule),
         )
 
     def init_skip_state(params: optax.Params) -> Any:
@@ -198,7 +208,7 @@ def _make_engine(
                 should_skip = lax.psum(should_skip.astype(jnp.int32), axis_name) > 0
             accept = jnp.logical_not(should_skip)
 
-        k = current_k(window.update_step)
+        k = window.noise.k if schedule else current_k(window.update_step)
         first = window.micro_step == 0
         w = jnp.where(accept, w, 0.0)
         w_old = jnp.where(first, 0.0, window.weight_sum.reshape([]))
@@ -230,26 +240,27 @@ def _make_engine(
         def inner_update(g, inner_state, params, dynamic):
             return inner.update(g, inner_state, params, **static, **dynamic)
 
-        def reduced(acc, w_sum):
+        def reduced(acc, w_sum, stats=()):
+            # ``stats``: device-local scalars summed along with the weight.
             acc = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), acc)
             if axis_name is None:
                 out = acc
                 if mean:
                     out = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), out)
-                return out
+                return out, (*stats, w_sum) if stats else ()
             if mean:
                 # One all-reduce for the weighted sum and the weight together.
                 local_sum = jax.tree.map(
                     lambda a: jnp.where(w_sum > 0, w_sum.astype(a.dtype) * a, 0), acc
                 )
-                total_sum, total = lax.psum((local_sum, w_sum), axis_name)
+                total_sum, total, stats = lax.psum((local_sum, w_sum, stats), axis_name)
                 return jax.tree.map(
                     lambda a: jnp.where(
                         total > 0, a / jnp.where(total > 0, total, 1), 0
                     ),
                     total_sum,
-                )
-            return jax.tree.map(lambda a: lax.psum(a, axis_name), acc)
+                ), (*stats, total) if stats else ()
+            return jax.tree.map(lambda a: lax.psum(a, axis_name), acc), ()
 
         def cast_like(tree, like):
             return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
@@ -260,29 +271,48 @@ def _make_engine(
         # Routing the accumulator through the cond, or a separate reset pass,
         # costs XLA a full copy of it per micro-step.
         acc = jax.tree.map(add, grads, window.accumulator)
+        noise = window.noise
+        if decay is not None:
+            noise = ns.observe(noise, grads, w, first)
+        local_stats = ns.local_stats(noise)
 
-        def on_boundary(acc, w_sum, inner_state, params, dynamic):
-            g = cast_like(reduced(acc, w_sum), grads)
+        def on_boundary(acc, w_sum, inner_state, params, dynamic, local_stats):
+            g, totals = reduced(acc, w_sum, local_stats)
+            stats = ns.boundary_stats(g, totals) if decay is not None else ()
+            g = cast_like(g, grads)
             updates, new_inner = inner_update(g, inner_state, params, dynamic)
-            return updates, cast_like(new_inner, inner_state)
+            return updates, cast_like(new_inner, inner_state), stats
 
         updates_shape = jax.eval_shape(
             lambda *a: inner_update(*a)[0], grads, window.inner_state, params, dynamic
         )
 
-        def on_hold(acc, w_sum, inner_state, params, dynamic):
+        def on_hold(acc, w_sum, inner_state, params, dynamic, local_stats):
             del acc, w_sum, params, dynamic
-            return _zeros(updates_shape, window.update_step), inner_state
+            stats = ns.zero_stats() if local_stats else ()
+            return _zeros(updates_shape, window.update_step), inner_state, stats
 
-        updates, inner_state = lax.cond(
-            emit, on_boundary, on_hold, acc, w_new, window.inner_state, params, dynamic
+        updates, inner_state, stats = lax.cond(
+            emit,
+            on_boundary,
+            on_hold,
+            acc,
+            w_new,
+            window.inner_state,
+            params,
+            dynamic,
+            local_stats,
         )
+        if decay is not None:
+            devices = 1 if axis_name is None else lax.axis_size(axis_name)
+            noise = ns.close(noise, emit, stats, decay, schedule, devices)
         new_window = _Window(
             micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
             update_step=(window.update_step + emit.astype(jnp.int32)).astype(jnp.int32),
             accumulator=acc,
             weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32).reshape(slot),
             inner_state=inner_state,
+            noise=noise,
         )
         return updates, new_window, emit, jnp.logical_not(accept), local(skip_state)
 
@@ -297,6 +327,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     skip_fn: SkipFn | None = None,
     axis_name: Any = None,
+    noise_scale_decay: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates gradients over ``every_k`` micro-steps, then runs ``inner``.
 
@@ -340,6 +371,12 @@ def accumulate(
         ``pmean`` the gradients yourself: each device accumulates its own and
         the weighted cross-device reduction runs once, in the boundary branch.
         With ``skip_fn`` the devices also agree on skipping (a scalar psum).
+      noise_scale_decay: ``None`` (off: the state and the compiled program are
+        as without it) or the EMA decay in (0, 1) of the gradient noise scale,
+        measured from each window's micro-batch gradients and their mean and
+        read with `noise_scale`. Needs ``reduction="mean"``. It costs one
+        squared-norm reduction per micro-step and a few scalars added to the
+        boundary's all-reduce. ``every_k`` may then be `adaptive_every_k`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -366,7 +403,13 @@ def accumulate(
       True
     """
     engine = _make_engine(
-        inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name
+        inner,
+        every_k,
+        reduction,
+        accumulator_dtype,
+        skip_fn,
+        axis_name,
+        noise_scale_decay=noise_scale_decay,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -380,6 +423,7 @@ def accumulate(
             num_skipped=jnp.zeros([], jnp.int32),
             updated=jnp.zeros([], jnp.bool_),
             skip_state=engine.init_skip_state(params),
+            noise_scale=window.noise,
         )
 
     def update_fn(
@@ -397,6 +441,7 @@ def accumulate(
             state.accumulator,
             state.weight_sum,
             state.inner_state,
+            state.noise_scale,
         )
         updates, window, emitted, skipped, skip_state = engine.step(
             grads, window, params, weight, close_window, extra_args
@@ -410,6 +455,7 @@ def accumulate(
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),
             updated=emitted,
             skip_state=skip_state,
+            noise_scale=window.noise,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -457,6 +503,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
             num_skipped=replicated,
             updated=replicated,
             skip_state=fill(x.skip_state, sharded),
+            noise_scale=ns.state_specs(x.noise_scale, sharded, replicated),
         )
 
     return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))

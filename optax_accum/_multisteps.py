@@ -41,6 +41,19 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
 
 
+class MultiStepsNoiseState(NamedTuple):
+    """State of `MultiSteps` with ``noise_scale_decay``: `MultiStepsState`'s
+    fields and ``noise_scale``, a `NoiseScaleState`. A separate type, so that
+    without it the state stays field for field optax's."""
+
+    mini_step: jax.typing.ArrayLike
+    gradient_step: jax.typing.ArrayLike
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any
+    noise_scale: Any
+
+
 class MultiSteps:
     """Accumulates gradients over ``every_k_schedule`` mini-steps; optax-compatible.
 
@@ -56,6 +69,10 @@ class MultiSteps:
         ``optax_accum.skip_not_finite``: ``fn(updates, gradient_step, params)``
         returning ``(should_skip, skip_state)`` (or just ``should_skip``).
       accumulator_dtype: dtype of the accumulator, float32 by default.
+      noise_scale_decay: ``None`` (off) or the EMA decay in (0, 1) of the
+        gradient noise scale, read with `noise_scale` (see `accumulate`).
+        ``every_k_schedule`` may then be `adaptive_every_k`. The state is
+        then a `MultiStepsNoiseState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -75,8 +92,10 @@ class MultiSteps:
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., Any] | None = None,
         accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
+        noise_scale_decay: float | None = None,
     ):
         self._opt = optax.with_extra_args_support(opt)
+        self._noise = noise_scale_decay is not None
         self._engine = _make_engine(
             self._opt,
             every_k_schedule,
@@ -85,21 +104,28 @@ class MultiSteps:
             should_skip_update_fn,
             None,
             names=("every_k_schedule", "should_skip_update_fn"),
+            noise_scale_decay=noise_scale_decay,
         )
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         return self._opt
 
-    def init(self, params: optax.Params) -> MultiStepsState:
-        window = self._engine.init_window(params)
-        return MultiStepsState(
+    def _state(self, window: _Window, skip_state: Any) -> Any:
+        fields = dict(
             mini_step=window.micro_step,
             gradient_step=window.update_step,
             inner_opt_state=window.inner_state,
             acc_grads=window.accumulator,
-            skip_state=self._engine.init_skip_state(params),
+            skip_state=skip_state,
         )
+        if self._noise:
+            return MultiStepsNoiseState(**fields, noise_scale=window.noise)
+        return MultiStepsState(**fields)
+
+    def init(self, params: optax.Params) -> MultiStepsState:
+        window = self._engine.init_window(params)
+        return self._state(window, self._engine.init_skip_state(params))
 
     def update(
         self,
@@ -116,17 +142,12 @@ class MultiSteps:
             accumulator=state.acc_grads,
             weight_sum=mini_step.astype(jnp.float32),
             inner_state=state.inner_opt_state,
+            noise=state.noise_scale if self._noise else (),
         )
         new_updates, window, _, _, skip_state = self._engine.step(
             updates, window, params, None, False, extra_args
         )
-        return new_updates, MultiStepsState(
-            mini_step=window.micro_step,
-            gradient_step=window.update_step,
-            inner_opt_state=window.inner_state,
-            acc_grads=window.accumulator,
-            skip_state=skip_state,
-        )
+        return new_updates, self._state(window, skip_state)
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """True when ``state`` comes right after an update (optax's definition)."""
