@@ -53,6 +53,8 @@ class NoiseScaleState(NamedTuple):
         micro-batch on one device measures nothing and is not counted).
       b_small: float32, ``B_small`` of the last counted window.
       b_big: float32, ``B_big`` of the last counted window.
+      last_grad_sq: float32, that window's own estimate of ``|G|^2``.
+      last_trace: float32, that window's own estimate of ``tr(Sigma)``.
       k: int32, the current window's k under `adaptive_every_k`, else 0.
     """
 
@@ -64,6 +66,8 @@ class NoiseScaleState(NamedTuple):
     windows: jax.Array
     b_small: jax.Array
     b_big: jax.Array
+    last_grad_sq: jax.Array
+    last_trace: jax.Array
     k: jax.Array
 
 
@@ -216,6 +220,8 @@ def init(slot: tuple[int, ...], schedule: AdaptiveEveryK | None) -> NoiseScaleSt
         windows=jnp.zeros([], jnp.int32),
         b_small=zero(),
         b_big=zero(),
+        last_grad_sq=zero(),
+        last_trace=zero(),
         k=jnp.asarray(0 if schedule is None else schedule.init_k, jnp.int32),
     )
 
@@ -264,6 +270,16 @@ def boundary_stats(reduced_grads: Any, totals: tuple) -> tuple:
     return sq_sum, count, weight, squared_norm(reduced_grads)
 
 
+def window_sums(grads: Any, w: jax.Array, sums: tuple | None = None) -> tuple:
+    """Adds a micro-batch to `microbatch`'s ``(sum w |g|^2, n, sum w, 0)``."""
+    if sums is None:
+        sums = zero_stats()
+    sq, n, total, big = sums
+    keep = w > 0
+    sq = sq + jnp.where(keep, w * squared_norm(grads), 0.0)
+    return sq, n + keep.astype(jnp.float32), total + w, big
+
+
 def zero_stats() -> tuple:
     return tuple(jnp.zeros([], jnp.float32) for _ in range(4))
 
@@ -293,6 +309,8 @@ def close(
         windows=state.windows + valid.astype(jnp.int32),
         b_small=jnp.where(valid, b_small, state.b_small),
         b_big=jnp.where(valid, b_big, state.b_big),
+        last_grad_sq=jnp.where(valid, grad_sq, state.last_grad_sq),
+        last_trace=jnp.where(valid, trace, state.last_trace),
     )
     if schedule is not None:
         k = schedule.next_k(_b_simple(new), new.b_small * num_devices, state.k)

@@ -351,6 +351,11 @@ def test_bad_input():
         optax_accum.MultiSteps(sgd, 2, noise_scale_decay=2.0)
     with pytest.raises(ValueError, match="reduction"):
         optax_accum.accumulate(sgd, 2, reduction="sum", noise_scale_decay=0.9)
+    vg = jax.value_and_grad(mlp_loss)
+    with pytest.raises(ValueError, match="noise_scale_decay"):
+        optax_accum.microbatch(vg, 2, noise_scale_decay=1.0)
+    with pytest.raises(ValueError, match="reduction"):
+        optax_accum.microbatch(vg, 2, reduction="sum", noise_scale_decay=0.9)
     with pytest.raises(ValueError, match="k_min"):
         optax_accum.adaptive_every_k(8, 4)
     with pytest.raises(ValueError, match="k_min"):
@@ -367,3 +372,65 @@ def test_bad_input():
             optax_accum.noise_scale(state, micro_batch_size=b)
     with pytest.raises(ValueError, match="NoiseScaleState"):
         optax_accum.noise_scale(optax_accum.accumulate(sgd, 2).init(jnp.zeros(2)))
+
+
+def test_microbatch_matches_accumulate_and_tracks_the_ema():
+    k = 4
+    params = mlp_params(1)
+    x, y = regression_data(3 * 64, seed=3)
+    f = jax.jit(
+        optax_accum.microbatch(
+            jax.value_and_grad(mlp_loss), k, batch_argnums=(1, 2), noise_scale_decay=0.5
+        )
+    )
+    tx = optax_accum.accumulate(optax.sgd(0.0), k, noise_scale_decay=0.5)
+    state, tracker = tx.init(params), None
+    for step in range(3):
+        xs, ys = x[step * 64 : (step + 1) * 64], y[step * 64 : (step + 1) * 64]
+        (value, grads), tracker = f(params, xs, ys, noise_scale=tracker)
+        ref_value, ref_grads = jax.value_and_grad(mlp_loss)(params, xs, ys)
+        np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+        chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+        for i in range(k):  # microbatch's split: rows i, i + k, ...
+            g = jax.grad(mlp_loss)(params, xs[i::k], ys[i::k])
+            _, state = tx.update(g, state, params)
+    # microbatch counts rows; accumulate counts micro-batches of 16 rows.
+    chex.assert_trees_all_close(
+        optax_accum.noise_scale(tracker),
+        optax_accum.noise_scale(state, micro_batch_size=16),
+        rtol=1e-5,
+    )
+    assert int(tracker.windows) == 3 and float(tracker.b_big) == 64
+
+
+def test_microbatch_device_local_loop_uses_device_micro_batches():
+    # Batch sharded over 8 devices: each device's part of a micro-batch (2 of
+    # its 16 rows) is a micro-batch of the estimate, B_small = 2, B_big = 64.
+    k, n_dev = 4, 8
+    params = mlp_params(1)
+    x, y = regression_data(64, seed=7)
+    mesh = jax.make_mesh((n_dev,), ("data",))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    fun = optax_accum.microbatch(
+        jax.value_and_grad(mlp_loss), k, batch_argnums=(1, 2), noise_scale_decay=0.5
+    )
+    (value, _), tracker = jax.jit(fun)(params, put(x), put(y))
+    np.testing.assert_allclose(value, mlp_loss(params, x, y), rtol=1e-5)
+    ns = optax_accum.noise_scale(tracker)
+    assert float(ns.b_small) == 2 and float(ns.b_big) == 64
+    flat = lambda t: jnp.concatenate([a.ravel() for a in jax.tree.leaves(t)])
+    view = lambda a: a.reshape(64 // k, k, -1)  # micro-batch i is view[:, i]
+    g = jnp.stack(
+        [
+            flat(
+                jax.grad(mlp_loss)(
+                    params, view(x)[2 * d : 2 * d + 2, i], view(y)[2 * d : 2 * d + 2, i]
+                )
+            )
+            for i in range(k)
+            for d in range(n_dev)
+        ]
+    )
+    grad_sq, trace = _window_estimates(g, jnp.full(k * n_dev, 2.0))
+    np.testing.assert_allclose(ns.grad_sq, grad_sq, rtol=1e-4)
+    np.testing.assert_allclose(ns.trace_sigma, trace, rtol=1e-4)
