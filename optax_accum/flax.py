@@ -50,11 +50,15 @@ def nnx_train_step(
         stacked along a leading axis of length k.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
-        ``mesh_axes``, passed to `optax_accum.microbatch`.
+        ``mesh_axes``, ``noise_scale_decay``, passed to
+        `optax_accum.microbatch`.
 
     Returns:
       ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which
-      updates ``model`` and ``optimizer`` in place.
+      updates ``model`` and ``optimizer`` in place. With ``noise_scale_decay``
+      it is ``step(model, optimizer, *batch, noise_scale=tracker) ->
+      (loss, tracker)``: pass the returned `NoiseScaleState` (``None`` at
+      first) to the next step and read it with `optax_accum.noise_scale`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -70,7 +74,11 @@ def nnx_train_step(
       ()
     """
 
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any) -> Any:
+    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+
+    def step(
+        model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any, noise_scale=None
+    ) -> Any:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def fun(params, *batch, state):
@@ -93,10 +101,13 @@ def nnx_train_step(
             has_aux=True,
             **microbatch_kwargs,
         )
-        ((loss, aux), grads), new_rest = mb(params, *batch, state=rest)
+        tracker = {"noise_scale": noise_scale} if noise else {}
+        out = mb(params, *batch, state=rest, **tracker)
+        (((loss, aux), grads), new_rest), tracker = out if noise else (out, None)
         nnx.update(model, new_rest)
         optimizer.update(model, grads)
-        return (loss, aux) if has_aux else loss
+        result = (loss, aux) if has_aux else loss
+        return (result, tracker) if noise else result
 
     return step
 
@@ -127,7 +138,9 @@ def linen_train_step(
 
     Returns:
       ``step(state, *batch, rng=None) -> (new_state, loss)`` (or
-      ``(new_state, (loss, aux))``).
+      ``(new_state, (loss, aux))``). With ``noise_scale_decay`` it takes
+      ``noise_scale=tracker`` and returns ``(new_state, loss, tracker)``, the
+      `NoiseScaleState` to pass to the next step.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -151,7 +164,9 @@ def linen_train_step(
       1
     """
 
-    def step(state: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+
+    def step(state: Any, *batch: Any, rng: Any = None, noise_scale=None) -> tuple:
         def fun(params, rng, *batch, state):
             def loss_of(params):
                 out, new_stats = loss_fn(params, state, rng, *batch)
@@ -171,10 +186,11 @@ def linen_train_step(
             has_aux=True,
             **microbatch_kwargs,
         )
-        ((loss, aux), grads), stats = mb(
-            state.params, rng, *batch, state=state.batch_stats
-        )
+        tracker = {"noise_scale": noise_scale} if noise else {}
+        out = mb(state.params, rng, *batch, state=state.batch_stats, **tracker)
+        (((loss, aux), grads), stats), tracker = out if noise else (out, None)
         new_state = state.apply_gradients(grads=grads, batch_stats=stats)
-        return new_state, ((loss, aux) if has_aux else loss)
+        result = (loss, aux) if has_aux else loss
+        return (new_state, result, tracker) if noise else (new_state, result)
 
     return step

@@ -434,3 +434,48 @@ def test_microbatch_device_local_loop_uses_device_micro_batches():
     grad_sq, trace = _window_estimates(g, jnp.full(k * n_dev, 2.0))
     np.testing.assert_allclose(ns.grad_sq, grad_sq, rtol=1e-4)
     np.testing.assert_allclose(ns.trace_sigma, trace, rtol=1e-4)
+
+
+def test_flax_helpers_return_the_tracker():
+    from flax.training import train_state
+
+    from optax_accum.flax import linen_train_step, nnx_train_step
+
+    k = 4
+    x = jax.random.normal(jax.random.key(0), (32, 3))
+    y = jax.random.normal(jax.random.key(1), (32, 1))
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    w0 = {"kernel": model.kernel[...], "bias": model.bias[...]}
+    loss = lambda p, x, y: jnp.mean((x @ p["kernel"] + p["bias"] - y) ** 2)
+    fun = optax_accum.microbatch(
+        jax.value_and_grad(loss), k, batch_argnums=(1, 2), noise_scale_decay=0.8
+    )
+    _, ref = fun(w0, x, y)
+    ref = optax_accum.noise_scale(ref)
+
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx.jit(
+        nnx_train_step(
+            lambda m, x, y: jnp.mean((m(x) - y) ** 2), k, noise_scale_decay=0.8
+        )
+    )
+    _, tracker = step(model, optimizer, x, y)
+    chex.assert_trees_all_close(optax_accum.noise_scale(tracker), ref, rtol=1e-5)
+    _, tracker = step(model, optimizer, x, y, noise_scale=tracker)
+    assert int(tracker.windows) == 2
+
+    class TrainState(train_state.TrainState):
+        batch_stats: dict
+
+    state = TrainState.create(
+        apply_fn=None, params=w0, tx=optax.sgd(0.1), batch_stats={}
+    )
+    lstep = jax.jit(
+        linen_train_step(
+            lambda p, stats, rng, x, y: (loss(p, x, y), stats),
+            k,
+            noise_scale_decay=0.8,
+        )
+    )
+    state, _, tracker = lstep(state, x, y)
+    chex.assert_trees_all_close(optax_accum.noise_scale(tracker), ref, rtol=1e-5)
