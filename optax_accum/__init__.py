@@ -17,6 +17,7 @@ from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
 from ._microbatch import microbatch as microbatch
 from ._multisteps import MultiSteps as MultiSteps
+from ._multisteps import MultiStepsNoiseState as MultiStepsNoiseState
 from ._multisteps import MultiStepsState as MultiStepsState
 from ._noise_scale import AdaptiveEveryK as AdaptiveEveryK
 from ._noise_scale import NoiseScale as NoiseScale
@@ -40,6 +41,7 @@ __all__ = [
     "LocalRun",
     "MicroBatchPlan",
     "MultiSteps",
+    "MultiStepsNoiseState",
     "MultiStepsState",
     "NoiseScale",
     "NoiseScaleState",

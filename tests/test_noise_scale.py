@@ -9,6 +9,7 @@ split over 2 or 8 with ``axis_name``.
 
 from __future__ import annotations
 
+import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,31 @@ def test_invariant_to_how_the_big_batch_is_formed():
         many = optax_accum.noise_scale(state)
         for a, b in zip(one, many, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_window_sums_join_the_one_all_reduce():
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
+    mesh = jax.make_mesh((8,), ("d",))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
+    counts = []
+    for decay in (None, 0.9):
+        tx = optax_accum.accumulate(
+            optax.adam(1e-3), 4, axis_name="d", noise_scale_decay=decay
+        )
+        specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+        init = jax.shard_map(
+            lambda tx=tx: tx.init(params), mesh=mesh, in_specs=(), out_specs=specs
+        )
+        grads = jax.tree.map(lambda p: put(jnp.ones((8, *p.shape))), params)
+        update = jax.shard_map(
+            lambda g, s, tx=tx: tx.update(jax.tree.map(lambda a: a[0], g), s, params),
+            mesh=mesh,
+            in_specs=(P("d"), specs),
+            out_specs=(P(), specs),
+        )
+        hlo = jax.jit(update).lower(grads, jax.jit(init)()).compile().as_text()
+        counts.append(len(_hlo.ALL_REDUCE.findall(hlo)))
+    assert counts == [1, 1]
 
 
 def _growing_noise_run(num_windows_k, **kw):
