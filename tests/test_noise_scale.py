@@ -505,3 +505,19 @@ def test_flax_helpers_return_the_tracker():
     )
     state, _, tracker = lstep(state, x, y)
     chex.assert_trees_all_close(optax_accum.noise_scale(tracker), ref, rtol=1e-5)
+
+
+def test_state_can_be_donated_and_multisteps_adapts_k():
+    # Every state leaf is its own buffer, so a donated state is accepted.
+    every_k = optax_accum.adaptive_every_k(2, 8)
+    ms = optax_accum.MultiSteps(optax.sgd(0.1), every_k, noise_scale_decay=0.5)
+    params = {"w": jnp.zeros(3)}
+    update = jax.jit(ms.update, donate_argnums=1)
+    state = ms.init(params)
+    assert isinstance(state, optax_accum.MultiStepsNoiseState)
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        g = {"w": jnp.asarray(rng.normal(size=3) * 10, jnp.float32)}
+        _, state = update(g, state, params)
+    # Pure noise around a zero mean: B_simple is large, so k goes to k_max.
+    assert int(optax_accum.noise_scale(state).k) == 8
