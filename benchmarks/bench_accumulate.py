@@ -69,6 +69,10 @@ def run(quick: bool = False, rounds: int = 7, micro: int | None = None) -> str:
     candidates = {
         "optax.MultiSteps": optax.MultiSteps(adam, k).gradient_transformation(),
         "optax_accum.accumulate": optax_accum.accumulate(adam, k),
+        # Issue 9: the noise-scale estimator on (one squared norm per step).
+        "optax_accum.accumulate, noise scale on": optax_accum.accumulate(
+            adam, k, noise_scale_decay=0.9
+        ),
         "optax_accum.MultiSteps": optax_accum.MultiSteps(
             adam, k
         ).gradient_transformation(),
@@ -139,7 +143,13 @@ def run(quick: bool = False, rounds: int = 7, micro: int | None = None) -> str:
         ratio = statistics.median(times[name]) / anchor
         m = f"{mem[name] / mem['optax.MultiSteps']:.2f}x" if name in mem else "n/a"
         lines.append(f"| {name} | {ratio:.2f}x | {m} |")
+    on, off = "optax_accum.accumulate, noise scale on", "optax_accum.accumulate"
+    per_round = [a / b for a, b in zip(times[on], times[off], strict=True)]
     lines.append("")
+    lines.append(
+        f"Noise scale on vs off: {statistics.median(per_round):.3f}x time per "
+        "update (median of the per-round ratios)."
+    )
     lines.append(
         "Temp memory (bytes): " + ", ".join(f"{n} {mem[n]:,}" for n in candidates)
     )

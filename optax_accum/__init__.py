@@ -20,7 +20,13 @@ from ._lr import scale_learning_rate as scale_learning_rate
 from ._microbatch import WeightFn as WeightFn
 from ._microbatch import microbatch as microbatch
 from ._multisteps import MultiSteps as MultiSteps
+from ._multisteps import MultiStepsNoiseState as MultiStepsNoiseState
 from ._multisteps import MultiStepsState as MultiStepsState
+from ._noise_scale import AdaptiveEveryK as AdaptiveEveryK
+from ._noise_scale import NoiseScale as NoiseScale
+from ._noise_scale import NoiseScaleState as NoiseScaleState
+from ._noise_scale import adaptive_every_k as adaptive_every_k
+from ._noise_scale import noise_scale as noise_scale
 from ._planner import MicroBatchPlan as MicroBatchPlan
 from ._planner import compiled_memory_bytes as compiled_memory_bytes
 from ._planner import plan_micro_batch as plan_micro_batch
@@ -36,14 +42,19 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "AccumulateState",
+    "AdaptiveEveryK",
     "LocalRun",
     "MicroBatchPlan",
     "MultiSteps",
+    "MultiStepsNoiseState",
     "MultiStepsState",
+    "NoiseScale",
+    "NoiseScaleState",
     "ScaledGrads",
     "SkipFn",
     "WeightFn",
     "accumulate",
+    "adaptive_every_k",
     "batch_size_warmup",
     "compiled_memory_bytes",
     "defer_reduction",
@@ -52,6 +63,7 @@ __all__ = [
     "initialize_distributed",
     "launch_local",
     "microbatch",
+    "noise_scale",
     "plan_micro_batch",
     "scale_learning_rate",
     "scaled_value_and_grad",

@@ -19,6 +19,7 @@ import optax
 from jax import lax
 
 from . import _layout
+from . import _noise_scale as ns
 from ._extra_args import check_value, check_value_fn, reads_value, value_dtype
 from ._mistakes import warn_if_clipped_before
 from ._validation import (
@@ -71,6 +72,7 @@ class AccumulateState(NamedTuple):
         ``update``), accumulated like the gradients; a scalar when the inner
         optimizer reads ``value`` (``reduce_on_plateau``, line searches), else
         ``()``.
+      noise_scale: a `NoiseScaleState` with ``noise_scale_decay``, else ``()``.
     """
 
     micro_step: jax.Array
@@ -82,6 +84,7 @@ class AccumulateState(NamedTuple):
     updated: jax.Array
     skip_state: Any = ()
     value_accumulator: Any = ()
+    noise_scale: Any = ()
 
 
 class _Window(NamedTuple):
@@ -93,6 +96,7 @@ class _Window(NamedTuple):
     weight_sum: jax.Array
     inner_state: optax.OptState
     value: Any = ()  # the value slot: a scalar, or () if ``inner`` ignores value
+    noise: Any = ()
 
 
 class _Engine(NamedTuple):
@@ -140,6 +144,7 @@ def _make_engine(
     defer_axes: Any = None,
     allow_value_fn: bool = False,
     owner: str = "accumulate",
+    noise_scale_decay: float | None = None,
 ) -> _Engine:
     """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
     k_arg, skip_arg = names
@@ -151,9 +156,19 @@ def _make_engine(
             f"defer_axes={defer_axes!r}."
         )
     inner = optax.with_extra_args_support(inner)
-    check_every_k(every_k, arg=k_arg)
+    decay = ns.check_decay(noise_scale_decay)
+    if decay is not None and defer:
+        raise ValueError(
+            "`noise_scale_decay` needs each device's micro-batch gradients, which "
+            "`defer_axes` leaves as unreduced partial sums: use one or the other "
+            f"(got defer_axes={defer_axes!r})."
+        )
+    schedule = every_k if isinstance(every_k, ns.AdaptiveEveryK) else None
+    if schedule is None:
+        check_every_k(every_k, arg=k_arg)
     check_skip_fn(skip_fn, skip_arg)
     check_reduction(reduction)
+    ns.check_engine_args(decay, schedule, reduction, k_arg)
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     mean = reduction == "mean"
     # With an axis name, device-local leaves carry a leading axis of length 1,
@@ -182,6 +197,7 @@ def _make_engine(
             weight_sum=jnp.zeros(slot, jnp.float32),
             inner_state=inner_state,
             value=value,
+            noise=() if decay is None else ns.init(slot, schedule),
         )
 
     def init_skip_state(params: optax.Params) -> Any:
@@ -245,7 +261,7 @@ def _make_engine(
                 should_skip = lax.psum(should_skip.astype(jnp.int32), axis_name) > 0
         accept = jnp.logical_not(should_skip)
 
-        k = current_k(window.update_step)
+        k = window.noise.k if schedule else current_k(window.update_step)
         first = window.micro_step == 0
         w = jnp.where(jnp.logical_and(accept, jnp.logical_not(bad_weight)), w, 0.0)
         w_old = jnp.where(first, 0.0, window.weight_sum.reshape([]))
@@ -288,28 +304,33 @@ def _make_engine(
                 dynamic["value"] = value.astype(value_in.dtype)
             return dynamic
 
-        def reduced(tree, w_sum):
-            """The window's reduction over devices, and the total weight."""
+        def reduced(tree, w_sum, stats=()):
+            """The window's reduction over devices: the tree, the total weight
+            and ``stats`` (device-local scalars), in one all-reduce."""
             tree = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), tree)
             # The deferred data-parallel reduction, once per update.
             tree = jax.tree.map(_layout.finish, tree)
             # A device (or window) whose weights sum to 0 holds a stale buffer.
             local_tree = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), tree)
             if axis_name is None:
-                return local_tree, w_sum
+                return local_tree, w_sum, stats
             if mean:
                 # One all-reduce for the weighted sum and the weight together.
                 local_sum = jax.tree.map(
                     lambda a: w_sum.astype(a.dtype) * a, local_tree
                 )
-                total_sum, total = lax.psum((local_sum, w_sum), axis_name)
-                return jax.tree.map(
-                    lambda a: jnp.where(
-                        total > 0, a / jnp.where(total > 0, total, 1), 0
+                total_sum, total, stats = lax.psum((local_sum, w_sum, stats), axis_name)
+                return (
+                    jax.tree.map(
+                        lambda a: jnp.where(
+                            total > 0, a / jnp.where(total > 0, total, 1), 0
+                        ),
+                        total_sum,
                     ),
-                    total_sum,
-                ), total
-            return lax.psum((local_tree, w_sum), axis_name)
+                    total,
+                    stats,
+                )
+            return lax.psum((local_tree, w_sum, stats), axis_name)
 
         def cast_like(tree, like):
             def cast(x, y):
@@ -329,6 +350,10 @@ def _make_engine(
         value_acc = window.value
         if value_in is not None:
             value_acc = add(value_in, window.value)
+        noise = window.noise
+        if decay is not None:
+            noise = ns.observe(noise, grads, w, first)
+        local_stats = ns.local_stats(noise)
 
         def updates_of(g, inner_state, params):
             g = jax.tree.map(_layout.finish, g)  # what the boundary passes on
@@ -342,8 +367,9 @@ def _make_engine(
         def hold(inner_state):
             return _zeros(updates_shape, window.update_step), inner_state, False
 
-        def on_boundary(acc, value_acc, w_sum, inner_state, params, dynamic):
-            (g, value), total = reduced((acc, value_acc), w_sum)
+        def on_boundary(acc, value_acc, w_sum, inner_state, params, dynamic, local):
+            (g, value), total, sums = reduced((acc, value_acc), w_sum, local)
+            stats = ns.boundary_stats(g, (*sums, total)) if local else ()
             g = cast_like(g, grads)
 
             def step_inner(g, value, inner_state, params, dynamic):
@@ -356,9 +382,9 @@ def _make_engine(
                 return hold(inner_state)
 
             if axis_name is None:  # the predicate already checked the weight
-                return step_inner(g, value, inner_state, params, dynamic)
+                return (*step_inner(g, value, inner_state, params, dynamic), stats)
             # A window whose weights sum to 0 (all padding) steps nothing.
-            return lax.cond(
+            out = lax.cond(
                 total > 0,
                 step_inner,
                 skip_inner,
@@ -368,15 +394,16 @@ def _make_engine(
                 params,
                 dynamic,
             )
+            return (*out, stats)
 
-        def on_hold(acc, value_acc, w_sum, inner_state, params, dynamic):
+        def on_hold(acc, value_acc, w_sum, inner_state, params, dynamic, local):
             del acc, value_acc, w_sum, params, dynamic
-            return hold(inner_state)
+            return (*hold(inner_state), ns.zero_stats() if local else ())
 
         # Without an axis name the total weight is known here: a window whose
         # weights sum to 0 emits zeros and leaves the inner state untouched.
         run = emit if axis_name is not None else jnp.logical_and(emit, w_new > 0)
-        updates, inner_state, stepped = lax.cond(
+        updates, inner_state, stepped, stats = lax.cond(
             run,
             on_boundary,
             on_hold,
@@ -386,8 +413,12 @@ def _make_engine(
             window.inner_state,
             params,
             dynamic,
+            local_stats,
         )
         stepped = jnp.asarray(stepped, jnp.bool_)
+        if decay is not None:
+            devices = 1 if axis_name is None else lax.axis_size(axis_name)
+            noise = ns.close(noise, emit, stats, decay, schedule, devices)
         new_window = _Window(
             micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
             update_step=(window.update_step + stepped.astype(jnp.int32)).astype(
@@ -397,6 +428,7 @@ def _make_engine(
             weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32).reshape(slot),
             inner_state=inner_state,
             value=value_acc,
+            noise=noise,
         )
         return updates, new_window, stepped, jnp.logical_not(accept), local(skip_state)
 
@@ -413,6 +445,7 @@ def accumulate(
     axis_name: Any = None,
     defer_axes: Any = None,
     allow_value_fn: bool = False,
+    noise_scale_decay: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates gradients over ``every_k`` micro-steps, then runs ``inner``.
 
@@ -482,6 +515,13 @@ def accumulate(
         the accumulator keeps them so (with its parameter's sharding
         otherwise), and the one all-reduce runs in the boundary branch.
 
+      noise_scale_decay: ``None`` (off: the state and the compiled program are
+        as without it) or the EMA decay in (0, 1) of the gradient noise scale,
+        measured from each window's micro-batch gradients and their mean and
+        read with `noise_scale`. Needs ``reduction="mean"``. It costs one
+        squared-norm reduction per micro-step and a few scalars added to the
+        boundary's all-reduce. ``every_k`` may then be `adaptive_every_k`.
+
     Sharded parameters: the accumulator, and the zeros of a hold step, have
     exactly their parameter's sharding (under an Explicit mesh this follows
     from the types; under an Auto mesh, initialise with
@@ -524,6 +564,7 @@ def accumulate(
         axis_name,
         defer_axes=defer_axes,
         allow_value_fn=allow_value_fn,
+        noise_scale_decay=noise_scale_decay,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -538,6 +579,7 @@ def accumulate(
             updated=jnp.zeros([], jnp.bool_),
             skip_state=engine.init_skip_state(params),
             value_accumulator=window.value,
+            noise_scale=window.noise,
         )
 
     def update_fn(
@@ -557,6 +599,7 @@ def accumulate(
             state.weight_sum,
             state.inner_state,
             state.value_accumulator,
+            state.noise_scale,
         )
         updates, window, emitted, skipped, skip_state = engine.step(
             grads, window, params, weight, close_window, extra_args
@@ -571,6 +614,7 @@ def accumulate(
             updated=emitted,
             skip_state=skip_state,
             value_accumulator=window.value,
+            noise_scale=window.noise,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -619,6 +663,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
             updated=replicated,
             skip_state=fill(x.skip_state, sharded),
             value_accumulator=fill(x.value_accumulator, sharded),
+            noise_scale=ns.state_specs(x.noise_scale, sharded, replicated),
         )
 
     return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, AccumulateState))

@@ -6,7 +6,9 @@ A Flax nnx MLP learns scikit-learn's bundled 8x8 digits (no download) four
 ways from the same initial parameters and the same example order: a small
 batch ``b``; ``k`` micro-batches of ``b`` through `accumulate`; the same
 through `microbatch`; and one true batch of ``k * b``. The accumulated runs
-must end with the large batch's parameters up to float32 rounding.
+must end with the large batch's parameters up to float32 rounding. The
+`accumulate` run also measures the gradient noise scale (`noise_scale`), the
+batch size beyond which a larger batch buys little, early and at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import optax
 from ._accumulate import accumulate
 from ._lr import scale_learning_rate
 from ._microbatch import microbatch
+from ._noise_scale import noise_scale
 
 PLOT_NAME = "optax_accum_demo.png"
 
@@ -38,6 +41,8 @@ class RunResult:
     final_loss: float = 0.0
     accuracy: float = 0.0
     max_param_diff: float | None = None
+    # (update, B_simple in examples), when the optimizer measures it.
+    noise: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _load_digits(seed: int) -> tuple[np.ndarray, ...]:
@@ -109,7 +114,13 @@ def run_demo(
     # (name, optimizer, value-and-grad, rows per call, calls per update)
     runs = [
         (f"small batch {b}", optax.adam(learning_rate), grad_fn, b, 1),
-        (f"accumulate {k}x{b}", accumulate(optax.adam(big_lr), k), grad_fn, b, k),
+        (
+            f"accumulate {k}x{b}",
+            accumulate(optax.adam(big_lr), k, noise_scale_decay=0.9),
+            grad_fn,
+            b,
+            k,
+        ),
         (f"microbatch {k}x{b}", optax.adam(big_lr), microbatch(grad_fn, k), k * b, 1),
         (f"large batch {k * b}", optax.adam(big_lr), grad_fn, k * b, 1),
     ]
@@ -135,6 +146,7 @@ def run_demo(
 
     print()
     print(_table(results, k, b, steps, learning_rate, big_lr))
+    print(_noise_line(results[1], k * b))
     path = _plot(results, Path(out), k, b)
     print(f"\nWrote the loss curves to {path}")
 
@@ -158,6 +170,16 @@ def _verdict(accumulated: list[RunResult], large: str, tolerance: float) -> int:
     return 0
 
 
+def _noise_line(result: RunResult, batch: int) -> str:
+    (t0, start), (t1, end) = result.noise
+    return (
+        f"Gradient noise scale B_simple ({result.name}, EMA 0.9): {start:.0f} "
+        f"examples after update {t0 + 1}, {end:.0f} after update {t1 + 1}; the "
+        f"batch is {batch}. It grows as the loss falls: a batch below it uses "
+        "each example well; one far above it buys little per example."
+    )
+
+
 def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
     """One run: ``calls`` calls of ``size`` rows per update, timed."""
     from tqdm.auto import tqdm
@@ -176,7 +198,10 @@ def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
     # One untimed call: the first run of an executable pays one-off costs.
     jax.block_until_ready(compiled(params, opt_state, (xs[0, :size], ys[0, :size])))
     steps = len(xs)
-    losses = []
+    losses, noise = [], []
+    measures = _has_noise_scale(opt_state)
+    # Two reads only (each waits for the device): early, and at the end.
+    read_at = {min(max(steps // 10, 4), steps - 1), steps - 1} if measures else ()
     start = time.perf_counter()
     for t in tqdm(range(steps), desc=f"{name:>18}", disable=not progress):
         for i in range(calls):
@@ -185,6 +210,9 @@ def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
                 params, opt_state, (xs[t, rows], ys[t, rows])
             )
             losses.append(loss)
+        if t in read_at:
+            b_simple = noise_scale(opt_state, micro_batch_size=size).b_simple
+            noise.append((t, float(b_simple)))
     jax.block_until_ready(params)
     seconds = (time.perf_counter() - start) / steps
     return RunResult(
@@ -193,7 +221,16 @@ def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
         losses=np.asarray(losses).reshape(steps, calls).mean(1).tolist(),
         seconds_per_update=seconds,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+        noise=noise,
     )
+
+
+def _has_noise_scale(opt_state: Any) -> bool:
+    try:
+        noise_scale(opt_state)
+    except ValueError:
+        return False
+    return True
 
 
 def _table(results, k, b, steps, lr, big_lr) -> str:

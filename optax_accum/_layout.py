@@ -115,6 +115,33 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, P())
 
 
+def batch_mesh_of(tree: Any) -> Any:
+    """The Explicit mesh that shards some leaf of ``tree``, or None."""
+    for x in jax.tree.leaves(tree):
+        if explicit_spec(x) is not None:
+            return jax.typeof(x).sharding.mesh
+    return None
+
+
+def onto_mesh(tree: Any, mesh: Any) -> Any:
+    """Leaves placed on no mesh, replicated on ``mesh``.
+
+    Parameters left on one device next to a batch sharded on an Explicit mesh
+    have no sharding type, and their gradients would be ambiguous ("contracting
+    dimensions are sharded"); replicated on the batch's mesh, they are not.
+    """
+
+    def place(x):
+        if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.extended):
+            return x
+        if not jax.typeof(x).sharding.mesh.empty:
+            return x
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.sharding.reshard(x, P())
+
+    return jax.tree.map(place, tree)
+
+
 def mesh_size(mesh: Any, axes: Sequence[str]) -> int:
     size = 1
     for a in axes:

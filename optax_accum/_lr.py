@@ -79,7 +79,8 @@ def scale_learning_rate(
       learning_rate: the tuned learning rate, a real scalar >= 0, or an optax
         schedule (a callable of the step count).
       base_batch_size: the batch size ``learning_rate`` was tuned at, an int >= 1.
-      batch_size: the new (effective) batch size, an int >= 1.
+      batch_size: the new (effective) batch size, an int >= 1, or a traced
+        int32 scalar inside ``jit`` (a batch that follows `adaptive_every_k`).
       rule: ``"linear"`` or ``"sqrt"``.
 
     Returns:
@@ -104,11 +105,24 @@ def scale_learning_rate(
     """
     _check_learning_rate(learning_rate)
     base_batch_size = check_positive_int(base_batch_size, "base_batch_size")
-    batch_size = check_positive_int(batch_size, "batch_size")
+    traced = isinstance(batch_size, jax.core.Tracer)
+    if traced:
+        # A batch size that changes during training (adaptive_every_k's k
+        # times the micro-batch size), inside jit: checked for type only.
+        if not jnp.issubdtype(batch_size.dtype, jnp.integer) or batch_size.ndim:
+            raise TypeError(
+                f"`batch_size` must be an integer scalar, got {batch_size!r}."
+            )
+    else:
+        batch_size = check_positive_int(batch_size, "batch_size")
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {RULES}, got {rule!r}.")
-    ratio = batch_size / base_batch_size
-    factor = ratio if rule == "linear" else math.sqrt(ratio)
+    if traced:
+        ratio = batch_size.astype(jnp.float32) / base_batch_size
+        factor = ratio if rule == "linear" else jnp.sqrt(ratio)
+    else:
+        ratio = batch_size / base_batch_size
+        factor = ratio if rule == "linear" else math.sqrt(ratio)
 
     if callable(learning_rate):
         schedule = learning_rate
@@ -117,7 +131,7 @@ def scale_learning_rate(
             return schedule(count) * factor
 
         return scaled_schedule
-    if isinstance(learning_rate, int | float | np.number):
+    if isinstance(learning_rate, int | float | np.number) and not traced:
         return float(learning_rate) * factor
     return jnp.asarray(learning_rate) * factor
 

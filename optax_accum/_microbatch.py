@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _layout
+from . import _noise_scale as ns
 from ._microbatch_sharding import (
     batch_mesh,
     device_local,
@@ -91,6 +92,7 @@ def microbatch(
     rng_argnums: int | Sequence[int] = (),
     mesh_axes: MeshAxes | None = "auto",
     param_gather: str | None = None,
+    noise_scale_decay: float | None = None,
 ) -> Callable[..., Any]:
     r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
 
@@ -172,6 +174,17 @@ def microbatch(
       param_gather: ``"per_micro_batch"``, ``"once"`` or ``None`` (the
         former where parameters are sharded over the batch's Explicit mesh
         axes, else the latter). See FSDP above.
+      noise_scale_decay: ``None``, or the EMA decay in (0, 1) of the gradient
+        noise scale, measured from the k micro-batch gradients and their mean
+        (see `accumulate` and `noise_scale`). The result then takes a keyword
+        ``noise_scale`` (a `NoiseScaleState`, or ``None`` to start) and
+        returns ``(result, noise_scale_state)``: the state is the tracker
+        that carries the EMA across steps, and its ``last_grad_sq``,
+        ``last_trace``, ``b_small`` and ``b_big`` are this step's statistics.
+        Batch sizes count rows (examples), or the ``weight_fn`` weights.
+        Needs ``reduction="mean"`` and ``num_micro_batches`` >= 2 (or several
+        devices with ``axis_name``); on the device-local sharded loop the
+        window sums take one extra scalar all-reduce.
 
     Returns:
       A function with ``fun``'s signature.
@@ -207,6 +220,7 @@ def microbatch(
         rng_argnums=rng_argnums,
         mesh_axes=mesh_axes,
         param_gather=param_gather,
+        noise_scale_decay=noise_scale_decay,
         stateful=False,
     )
 
@@ -238,12 +252,15 @@ def _build(
     rng_argnums: int | Sequence[int] = (),
     mesh_axes: MeshAxes | None = "auto",
     param_gather: str | None = None,
+    noise_scale_decay: float | None = None,
     stateful: bool,
 ) -> Callable[..., Any]:
     if not callable(fun):
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
     k = check_positive_int(num_micro_batches, "num_micro_batches")
     check_reduction(reduction)
+    decay = ns.check_decay(noise_scale_decay)
+    ns.check_engine_args(decay, None, reduction, "num_micro_batches")
     acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
     batch_idx = _argnums(batch_argnums, "batch_argnums")
     rng_idx = _argnums(rng_argnums, "rng_argnums")
@@ -361,8 +378,14 @@ def _build(
 
         def one(i: jax.Array, state: Any) -> tuple:
             margs = micro_args(i)
+            if decay is not None:
+                state, sums = state
             value, grads, aux, state = call(margs, kwargs, state)
             w = weight_of(margs) if weighted else jnp.float32(unit)
+            if decay is not None:
+                # Noise-scale units: rows (as fun sees them), or the weights.
+                w_ns = w if weighted else jnp.float32(rows_of(margs))
+                state = state, ns.window_sums(grads, w_ns, sums)
             return value, grads, aux, w, state
 
         shapes = jax.eval_shape(one, jnp.int32(0), state)
@@ -420,6 +443,16 @@ def _build(
                 acc_v, acc_g, w_sum, axes, k=k, unit=unit, weighted=weighted, mean=mean
             )
 
+        if decay is not None:
+            state, (sq, n, total, _) = state
+            sums = sq, n, total
+            if local:
+                # The device-local loop's state is averaged over the devices
+                # after it (one pmean per leaf): scaled by N, that is the sum.
+                sums = tuple(x * lax.axis_size(axes) for x in sums)
+            elif axes is not None:
+                sums = lax.psum(sums, axes)
+            state = state, (*sums, ns.squared_norm(acc_g))
         value = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_v, v_shape)
         grads = jax.tree.map(lambda a, s: a.astype(s.dtype), acc_g, g_shape)
         return value, grads, aux, ws, state
@@ -433,21 +466,47 @@ def _build(
 
     def pack(value, grads, aux, state):
         out = ((value, aux), grads) if has_aux else (value, grads)
-        return (out, state) if stateful else out
+        return (out, state) if stateful or decay is not None else out
+
+    def rows_of(margs: list) -> int:
+        return jnp.shape(jax.tree.leaves(margs[batch_idx[0]])[0])[0]
 
     def single(args: list, kwargs: dict, state: Any):
         """k = 1: no loop; with ``axis_name`` the one weighted reduction."""
+        if decay is not None:
+            state, _ = state
         value, grads, aux, state = call(args, kwargs, state)
         aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
+        w = weight_of(args) if weighted else jnp.float32(1.0)
+        if decay is not None:
+            w_ns = w if weighted else jnp.float32(rows_of(args))
+            sums = ns.window_sums(grads, w_ns)[:3]
         if user_axes is not None:
-            w = weight_of(args) if weighted else jnp.float32(1.0)
             value, grads = reduce_single((value, grads), w, user_axes, mean)
+            if decay is not None:
+                sums = lax.psum(sums, user_axes)
+        if decay is not None:
+            state = state, (*sums, ns.squared_norm(grads))
         return pack(value, grads, aux, state)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        state = kwargs.pop("state", None) if stateful else None
         check_no_nnx_modules((args, kwargs))
+        if decay is None:
+            return body(*args, **kwargs)
+        tracker = kwargs.pop("noise_scale", None)
+        if tracker is None:
+            tracker = ns.init((), None)
+        # The window sums ride along with the threaded state.
+        kwargs["state"] = (kwargs.pop("state", None), ns.zero_stats())
+        out, (state, stats) = body(*args, **kwargs)
+        if stateful:
+            out = out, state
+        return out, ns.close(tracker, jnp.bool_(True), stats, decay, None, 1)
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        threads = stateful or decay is not None
+        state = kwargs.pop("state", None) if threads else None
         args, size = split_batch(list(args))
         if user_axes is not None:
             # Invariant inputs would get their cotangents psum-ed inside `fun`.
@@ -469,6 +528,12 @@ def _build(
                 run, args, kwargs, state, *found, size, k, batch_idx, has_aux
             )
             return pack(value, grads, aux, state)
+        mesh = _layout.batch_mesh_of([args[i] for i in batch_idx])
+        if mesh is not None:  # the global view on an Explicit mesh
+            others = [a for i, a in enumerate(args) if i not in batch_idx]
+            others, kwargs, state = _layout.onto_mesh((others, kwargs, state), mesh)
+            it = iter(others)
+            args = [a if i in batch_idx else next(it) for i, a in enumerate(args)]
         value, grads, aux, _, state = run(args, kwargs, None, 1.0, False, state)
         return pack(value, grads, aux, state)
 

@@ -47,6 +47,20 @@ class MultiStepsState(NamedTuple):
     acc_value: Any = ()
 
 
+class MultiStepsNoiseState(NamedTuple):
+    """State of `MultiSteps` with ``noise_scale_decay``: `MultiStepsState`'s
+    fields and ``noise_scale``, a `NoiseScaleState`. A separate type, so that
+    without it the state stays field for field optax's."""
+
+    mini_step: jax.typing.ArrayLike
+    gradient_step: jax.typing.ArrayLike
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any
+    acc_value: Any
+    noise_scale: Any
+
+
 class MultiSteps:
     """Accumulates gradients over ``every_k_schedule`` mini-steps; optax-compatible.
 
@@ -66,6 +80,10 @@ class MultiSteps:
         complex dtype, or ``None`` for the gradient's dtype.
       defer_axes: as in `accumulate`: the mesh axes over which the gradients
         arrive unreduced (from `defer_reduction`), reduced once per update.
+      noise_scale_decay: ``None`` (off) or the EMA decay in (0, 1) of the
+        gradient noise scale, read with `noise_scale` (see `accumulate`).
+        ``every_k_schedule`` may then be `adaptive_every_k`. The state is
+        then a `MultiStepsNoiseState`.
       allow_value_fn: accept a ``value_fn`` extra argument (line searches),
         vouching that it computes the whole window's loss; see `accumulate`.
 
@@ -95,8 +113,10 @@ class MultiSteps:
         *,
         allow_value_fn: bool = False,
         defer_axes: Any = None,
+        noise_scale_decay: float | None = None,
     ):
         self._opt = optax.with_extra_args_support(opt)
+        self._noise = noise_scale_decay is not None
         self._engine = _make_engine(
             self._opt,
             every_k_schedule,
@@ -108,22 +128,29 @@ class MultiSteps:
             defer_axes=defer_axes,
             allow_value_fn=allow_value_fn,
             owner="MultiSteps",
+            noise_scale_decay=noise_scale_decay,
         )
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         return self._opt
 
-    def init(self, params: optax.Params) -> MultiStepsState:
-        window = self._engine.init_window(params)
-        return MultiStepsState(
+    def _state(self, window: _Window, skip_state: Any) -> Any:
+        fields = dict(
             mini_step=window.micro_step,
             gradient_step=window.update_step,
             inner_opt_state=window.inner_state,
             acc_grads=window.accumulator,
-            skip_state=self._engine.init_skip_state(params),
+            skip_state=skip_state,
             acc_value=window.value,
         )
+        if self._noise:
+            return MultiStepsNoiseState(**fields, noise_scale=window.noise)
+        return MultiStepsState(**fields)
+
+    def init(self, params: optax.Params) -> MultiStepsState:
+        window = self._engine.init_window(params)
+        return self._state(window, self._engine.init_skip_state(params))
 
     def update(
         self,
@@ -138,7 +165,7 @@ class MultiSteps:
         value = getattr(state, "acc_value", ())
         # An optax state has no value slot: the window's value starts here.
         if (
-            not isinstance(state, MultiStepsState)
+            not isinstance(state, MultiStepsState | MultiStepsNoiseState)
             and "value" in extra_args
             and reads_value(self._opt, params, state.inner_opt_state)
         ):
@@ -150,18 +177,12 @@ class MultiSteps:
             weight_sum=mini_step.astype(jnp.float32),
             inner_state=state.inner_opt_state,
             value=value,
+            noise=state.noise_scale if self._noise else (),
         )
         new_updates, window, _, _, skip_state = self._engine.step(
             updates, window, params, None, False, extra_args
         )
-        return new_updates, MultiStepsState(
-            mini_step=window.micro_step,
-            gradient_step=window.update_step,
-            inner_opt_state=window.inner_state,
-            acc_grads=window.accumulator,
-            skip_state=skip_state,
-            acc_value=window.value,
-        )
+        return new_updates, self._state(window, skip_state)
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """True when ``state`` comes right after an update (optax's definition).

@@ -88,11 +88,15 @@ def nnx_train_step(
         stacked along a leading axis of length k.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
-        ``mesh_axes``, passed to `optax_accum.microbatch`.
+        ``mesh_axes``, ``noise_scale_decay``, passed to
+        `optax_accum.microbatch`.
 
     Returns:
       ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which
-      updates ``model`` and ``optimizer`` in place.
+      updates ``model`` and ``optimizer`` in place. With ``noise_scale_decay``
+      it is ``step(model, optimizer, *batch, noise_scale=tracker) ->
+      (loss, tracker)``: pass the returned `NoiseScaleState` (``None`` at
+      first) to the next step and read it with `optax_accum.noise_scale`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -109,8 +113,14 @@ def nnx_train_step(
     """
     _check_step_args(loss_fn, num_micro_batches, microbatch_kwargs, "nnx_train_step")
 
+    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+
     def step(
-        model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any, **opt_kwargs: Any
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        *batch: Any,
+        noise_scale=None,
+        **opt_kwargs: Any,
     ) -> Any:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -134,7 +144,9 @@ def nnx_train_step(
             has_aux=True,
             **microbatch_kwargs,
         )
-        ((loss, aux), grads), new_rest = mb(params, *batch, state=rest)
+        tracker = {"noise_scale": noise_scale} if noise else {}
+        out = mb(params, *batch, state=rest, **tracker)
+        (((loss, aux), grads), new_rest), tracker = out if noise else (out, None)
         nnx.update(model, new_rest)
         opt_kwargs = _with_value(
             opt_kwargs,
@@ -144,7 +156,8 @@ def nnx_train_step(
             loss,
         )
         optimizer.update(model, grads, **opt_kwargs)
-        return (loss, aux) if has_aux else loss
+        result = (loss, aux) if has_aux else loss
+        return (result, tracker) if noise else result
 
     return step
 
@@ -187,7 +200,9 @@ def linen_train_step(
 
     Returns:
       ``step(state, *batch, rng=None, **opt_kwargs) -> (new_state, loss)``
-      (or ``(new_state, (loss, aux))``).
+      (or ``(new_state, (loss, aux))``). With ``noise_scale_decay`` it takes
+      ``noise_scale=tracker`` and returns ``(new_state, loss, tracker)``, the
+      `NoiseScaleState` to pass to the next step.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -213,9 +228,15 @@ def linen_train_step(
 
     _check_step_args(loss_fn, num_micro_batches, microbatch_kwargs, "linen_train_step")
 
+    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+
     def step(
-        state: Any, *batch: Any, rng: Any = None, **opt_kwargs: Any
-    ) -> tuple[Any, Any]:
+        state: Any,
+        *batch: Any,
+        rng: Any = None,
+        noise_scale: Any = None,
+        **opt_kwargs: Any,
+    ) -> tuple:
         with_stats = hasattr(state, "batch_stats")
 
         def fun(params, rng, *batch, state):
@@ -241,7 +262,9 @@ def linen_train_step(
             **microbatch_kwargs,
         )
         stats_in = state.batch_stats if with_stats else ()
-        ((loss, aux), grads), stats = mb(state.params, rng, *batch, state=stats_in)
+        tracker = {"noise_scale": noise_scale} if noise else {}
+        out = mb(state.params, rng, *batch, state=stats_in, **tracker)
+        (((loss, aux), grads), stats), tracker = out if noise else (out, None)
         stats_kw = {"batch_stats": stats} if with_stats else {}
         opt_kwargs = _with_value(
             opt_kwargs, state.tx, state.params, state.opt_state, loss
@@ -259,6 +282,7 @@ def linen_train_step(
             )
         else:
             new_state = state.apply_gradients(grads=grads, **stats_kw)
-        return new_state, ((loss, aux) if has_aux else loss)
+        result = (loss, aux) if has_aux else loss
+        return (new_state, result, tracker) if noise else (new_state, result)
 
     return step

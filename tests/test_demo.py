@@ -52,6 +52,14 @@ def test_demo_end_to_end(tmp_path):
         # Same parameters as the large batch, so the same loss to 4 decimals.
         assert rows[name][0] == rows["large batch 24"][0]
     assert rows["small batch 8"][2] == rows["large batch 24"][2] == "-"
+    # The accumulate run's noise scale, early and at the end (issue 9).
+    noise = re.search(
+        r"^Gradient noise scale B_simple \(accumulate 3x8, EMA 0.9\): (\d+) "
+        r"examples after update \d+, (\d+) after update 25;",
+        text,
+        re.MULTILINE,
+    )
+    assert noise and int(noise.group(1)) > 0 and int(noise.group(2)) > 0, text
     for cells in rows.values():
         loss, acc = float(cells[0]), float(cells[1].rstrip("%"))
         assert 0 < loss < 2.4  # below chance level, ln(10) = 2.30...

@@ -166,3 +166,19 @@ def test_carry_is_sharded_like_the_parameters():
     # (8x16 split over fsdp=2 and model=2), never f32[8,16].
     loops = [line for lines in comps.values() for line in lines if " while(" in line]
     assert loops and all("f32[8,16]" not in line for line in loops), loops
+
+
+def test_global_view_with_unplaced_params_next_to_a_sharded_batch():
+    # Parameters left on one device, batch sharded on an Explicit mesh, no
+    # jax.set_mesh: the loop places them replicated on the batch's mesh.
+    mesh = L.mesh(L.LAYOUTS["dp"])
+    fun = jax.jit(
+        optax_accum.microbatch(
+            jax.value_and_grad(L.loss_fn(None)), K, batch_argnums=(1, 2)
+        )
+    )
+    x, y = L.place_batch(L.LAYOUTS["dp"], mesh, *L.data(ROWS))
+    value, grads = fun(L.params(), x, y)
+    chex.assert_trees_all_close(
+        (value, jax.device_get(grads)), _reference(), rtol=1e-5, atol=1e-6
+    )

@@ -1,0 +1,409 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The gradient noise scale of an accumulation window, and an adaptive ``every_k``.
+
+This module owns the estimator of McCandlish et al. 2018 ("An Empirical Model
+of Large-Batch Training", arXiv 1812.06162, Appendix A): arithmetic on the
+squared norms of the window's micro-batch gradients and of their mean, the
+bias-corrected EMAs, the `noise_scale` reader, and the `adaptive_every_k`
+schedule that picks the next window's k from the estimate. The engine in
+`_accumulate` only calls it: `observe` once per micro-step (one fused
+reduction of the gradient it already reads), `boundary_stats` in the boundary
+branch, `close` on the scalars afterwards.
+
+Units. Micro-batch ``i`` has weight ``w_i`` (1 unless the caller passes
+``weight``) and gradient ``g_i``, the mean gradient of ``w_i`` units (examples
+of a micro-batch of ``b``, or tokens with token weighting), so that
+``E|g_i|^2 = |G|^2 + tr(Sigma) / w_i``. Over a window of ``n`` micro-batches
+with positive weight (on all devices) and total weight ``W``::
+
+    |G_small|^2 = sum_i w_i |g_i|^2 / W,   B_small = W / n
+    |G_big|^2   = |sum_i w_i g_i / W|^2,   B_big   = W
+
+are unbiased for ``|G|^2 + tr(Sigma) / B``, for any unequal weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._validation import check_positive_int
+
+
+class NoiseScaleState(NamedTuple):
+    """Noise-scale part of `AccumulateState` (``noise_scale_decay`` set).
+
+    Attributes:
+      sq_sum: float32, ``sum_i w_i |g_i|^2`` over the window's micro-batches so
+        far; device-local (a leading axis of length 1) with ``axis_name``.
+      count: float32, the window's micro-batches with positive weight so far;
+        device-local like ``sq_sum``.
+      grad_sq_ema: float32, EMA of the per-window estimates of ``|G|^2``,
+        without bias correction (`noise_scale` corrects it).
+      trace_ema: float32, EMA of the estimates of ``tr(Sigma)``, likewise.
+      ema_norm: float32, the same EMA of ones, ``1 - decay**windows``: the
+        bias correction.
+      windows: int32, windows folded into the EMAs (a window of one
+        micro-batch on one device measures nothing and is not counted).
+      b_small: float32, ``B_small`` of the last counted window.
+      b_big: float32, ``B_big`` of the last counted window.
+      last_grad_sq: float32, that window's own estimate of ``|G|^2``.
+      last_trace: float32, that window's own estimate of ``tr(Sigma)``.
+      k: int32, the current window's k under `adaptive_every_k`, else 0.
+    """
+
+    sq_sum: jax.Array
+    count: jax.Array
+    grad_sq_ema: jax.Array
+    trace_ema: jax.Array
+    ema_norm: jax.Array
+    windows: jax.Array
+    b_small: jax.Array
+    b_big: jax.Array
+    last_grad_sq: jax.Array
+    last_trace: jax.Array
+    k: jax.Array
+
+
+class NoiseScale(NamedTuple):
+    r"""The gradient noise scale read from a state by `noise_scale`.
+
+    Attributes:
+      b_simple: ``tr(Sigma) / |G|^2``, the ratio of the two EMAs; NaN before
+        the first window.
+      trace_sigma: bias-corrected EMA of ``tr(Sigma)``, the per-unit gradient
+        covariance trace.
+      grad_sq: bias-corrected EMA of ``|G|^2``, the true gradient's squared
+        norm.
+      windows: windows measured so far.
+      b_small: the last window's micro-batch size ``B_small``.
+      b_big: the last window's effective batch size ``B_big``.
+      k: the current window's k under `adaptive_every_k`, else 0.
+    """
+
+    b_simple: jax.Array
+    trace_sigma: jax.Array
+    grad_sq: jax.Array
+    windows: jax.Array
+    b_small: jax.Array
+    b_big: jax.Array
+    k: jax.Array
+
+
+def check_decay(decay: Any) -> float | None:
+    """Returns ``noise_scale_decay`` as a float, or raises; None stays None."""
+    if decay is None:
+        return None
+    if isinstance(decay, bool) or not isinstance(decay, int | float | np.floating):
+        raise TypeError(
+            f"`noise_scale_decay` must be a float in (0, 1) or None, got {decay!r}."
+        )
+    if not 0.0 < float(decay) < 1.0:
+        raise ValueError(
+            f"`noise_scale_decay` must be in (0, 1) (open), got {decay!r}."
+        )
+    return float(decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveEveryK:
+    """An ``every_k`` that the engine feeds with the noise scale; see
+    `adaptive_every_k`."""
+
+    k_min: int
+    k_max: int
+    init_k: int
+    never_decrease: bool
+
+    def next_k(self, b_simple: jax.Array, step_batch: jax.Array, k: jax.Array):
+        """``clip(ceil(b_simple / step_batch), k_min, k_max)``, NaN-safe."""
+        want = jnp.ceil(b_simple / step_batch)
+        want = jnp.where(jnp.isnan(want), k.astype(jnp.float32), want)
+        new = jnp.clip(want, self.k_min, self.k_max).astype(jnp.int32)
+        return jnp.maximum(new, k) if self.never_decrease else new
+
+
+def adaptive_every_k(
+    k_min: int,
+    k_max: int,
+    *,
+    init_k: int | None = None,
+    never_decrease: bool = False,
+) -> AdaptiveEveryK:
+    r"""An ``every_k`` that sizes each window from the measured noise scale.
+
+    After each window, the next one gets
+
+    .. math::
+
+        k = \mathrm{clip}\left(\left\lceil \frac{B_\text{simple}}{b N}
+            \right\rceil, k_\min, k_\max\right),
+
+    with ``b`` the micro-batch size (the measured ``B_small``, in the same
+    units as ``B_simple``: examples, or tokens with token weighting) and ``N``
+    the devices under ``axis_name``: the effective batch ``k b N`` follows the
+    critical batch size. The EMA of `accumulate`'s ``noise_scale_decay`` is the
+    smoothing; ``never_decrease`` also keeps k from going down. k is traced
+    and stored in the state (``NoiseScaleState.k``), so nothing recompiles
+    and a checkpoint resumes the schedule. Pass it as ``every_k`` to
+    `accumulate` (or ``every_k_schedule`` to `MultiSteps`) together with
+    ``noise_scale_decay``.
+
+    Args:
+      k_min: smallest k, an int >= 1.
+      k_max: largest k, an int >= ``k_min``.
+      init_k: k of the windows before the first estimate; ``k_min`` by
+        default. It must be >= 2 for a single device to measure anything.
+      never_decrease: if true, k never goes down.
+
+    Returns:
+      An `AdaptiveEveryK` to pass as ``every_k``.
+
+    Raises:
+      TypeError: for non-integer ``k_min``, ``k_max`` or ``init_k``.
+      ValueError: for values below 1, ``k_min > k_max``, or ``init_k``
+        outside ``[k_min, k_max]``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> every_k = optax_accum.adaptive_every_k(2, 16)
+      >>> tx = optax_accum.accumulate(
+      ...     optax.sgd(0.1), every_k, noise_scale_decay=0.9)
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> int(optax_accum.noise_scale(state).k)
+      2
+    """
+    k_min = check_positive_int(k_min, "k_min")
+    k_max = check_positive_int(k_max, "k_max")
+    if k_min > k_max:
+        raise ValueError(
+            f"`k_min` must be <= `k_max`, got k_min={k_min}, k_max={k_max}."
+        )
+    init_k = k_min if init_k is None else check_positive_int(init_k, "init_k")
+    if not k_min <= init_k <= k_max:
+        raise ValueError(
+            f"`init_k` must be in [k_min, k_max] = [{k_min}, {k_max}], got {init_k}."
+        )
+    return AdaptiveEveryK(k_min, k_max, init_k, bool(never_decrease))
+
+
+def check_engine_args(
+    decay: float | None, schedule: AdaptiveEveryK | None, reduction: str, k_arg: str
+) -> None:
+    if schedule is not None and decay is None:
+        raise ValueError(
+            f"`{k_arg}`=adaptive_every_k(...) reads the noise scale: pass "
+            "`noise_scale_decay` too (e.g. 0.9)."
+        )
+    if decay is not None and reduction != "mean":
+        raise ValueError(
+            "`noise_scale_decay` needs mean gradients (reduction='mean', or "
+            f"use_grad_mean=True), got reduction={reduction!r}."
+        )
+
+
+def init(slot: tuple[int, ...], schedule: AdaptiveEveryK | None) -> NoiseScaleState:
+    # One buffer per leaf: a donated state must not hold one array twice.
+    zero = lambda: jnp.zeros([], jnp.float32)
+    return NoiseScaleState(
+        sq_sum=jnp.zeros(slot, jnp.float32),
+        count=jnp.zeros(slot, jnp.float32),
+        grad_sq_ema=zero(),
+        trace_ema=zero(),
+        ema_norm=zero(),
+        windows=jnp.zeros([], jnp.int32),
+        b_small=zero(),
+        b_big=zero(),
+        last_grad_sq=zero(),
+        last_trace=zero(),
+        k=jnp.asarray(0 if schedule is None else schedule.init_k, jnp.int32),
+    )
+
+
+def squared_norm(tree: Any) -> jax.Array:
+    """Sum of squares over all leaves, accumulated in float32.
+
+    A full contraction ``x . x`` rather than ``sum(x**2)``: the same single
+    read of ``x``, and on the CPU XLA runs it as a BLAS dot, about 15% faster
+    than its reduction; bf16 leaves are read as they are, with no f32 copy.
+    """
+    total = jnp.zeros([], jnp.float32)
+    for x in jax.tree.leaves(tree):
+        dims = tuple(range(jnp.ndim(x)))
+        total = total + lax.dot_general(
+            x, x, ((dims, dims), ((), ())), preferred_element_type=jnp.float32
+        )
+    return total
+
+
+def observe(
+    state: NoiseScaleState, grads: Any, w: jax.Array, first: jax.Array
+) -> NoiseScaleState:
+    """Adds one micro-batch (weight ``w``, 0 if rejected) to the window."""
+    sq = squared_norm(grads)
+    keep = w > 0
+    # jnp.where, not w * sq: a rejected micro-batch may be NaN.
+    add_sq = jnp.where(keep, w * sq, 0.0).reshape(state.sq_sum.shape)
+    add_n = keep.astype(jnp.float32).reshape(state.count.shape)
+    return state._replace(
+        sq_sum=jnp.where(first, 0.0, state.sq_sum) + add_sq,
+        count=jnp.where(first, 0.0, state.count) + add_n,
+    )
+
+
+def local_stats(state: NoiseScaleState | tuple) -> tuple:
+    """The device-local window sums to reduce at the boundary (``()`` if off)."""
+    if not isinstance(state, NoiseScaleState):
+        return ()
+    return state.sq_sum, state.count
+
+
+def boundary_stats(reduced_grads: Any, totals: tuple) -> tuple:
+    """Scalars for `close`: summed ``(sq_sum, count, weight)`` and |G_big|^2."""
+    sq_sum, count, weight = (jnp.reshape(t, []) for t in totals)
+    return sq_sum, count, weight, squared_norm(reduced_grads)
+
+
+def window_sums(grads: Any, w: jax.Array, sums: tuple | None = None) -> tuple:
+    """Adds a micro-batch to `microbatch`'s ``(sum w |g|^2, n, sum w, 0)``."""
+    if sums is None:
+        sums = zero_stats()
+    sq, n, total, big = sums
+    keep = w > 0
+    sq = sq + jnp.where(keep, w * squared_norm(grads), 0.0)
+    return sq, n + keep.astype(jnp.float32), total + w, big
+
+
+def zero_stats() -> tuple:
+    return tuple(jnp.zeros([], jnp.float32) for _ in range(4))
+
+
+def close(
+    state: NoiseScaleState,
+    emit: jax.Array,
+    stats: tuple,
+    decay: float,
+    schedule: AdaptiveEveryK | None,
+    num_devices: int,
+) -> NoiseScaleState:
+    """Folds a closed window into the EMAs and picks the next k."""
+    sq_sum, count, weight, big_sq = stats
+    valid = emit & (count > 1.5) & (weight > 0)
+    safe_w = jnp.where(valid, weight, 1.0)
+    b_big = safe_w
+    b_small = safe_w / jnp.where(valid, count, 0.5)
+    small_sq = sq_sum / safe_w
+    grad_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    ema = lambda old, new: jnp.where(valid, decay * old + (1 - decay) * new, old)
+    new = state._replace(
+        grad_sq_ema=ema(state.grad_sq_ema, grad_sq),
+        trace_ema=ema(state.trace_ema, trace),
+        ema_norm=ema(state.ema_norm, 1.0),
+        windows=state.windows + valid.astype(jnp.int32),
+        b_small=jnp.where(valid, b_small, state.b_small),
+        b_big=jnp.where(valid, b_big, state.b_big),
+        last_grad_sq=jnp.where(valid, grad_sq, state.last_grad_sq),
+        last_trace=jnp.where(valid, trace, state.last_trace),
+    )
+    if schedule is not None:
+        k = schedule.next_k(_b_simple(new), new.b_small * num_devices, state.k)
+        new = new._replace(k=jnp.where(emit & (new.windows > 0), k, state.k))
+    return new
+
+
+def state_specs(state: Any, sharded: Any, replicated: Any) -> Any:
+    """``PartitionSpec``s: the window sums are device-local, the rest replicated."""
+    if not isinstance(state, NoiseScaleState):
+        return state
+    specs = NoiseScaleState(*(replicated for _ in state))
+    return specs._replace(sq_sum=sharded, count=sharded)
+
+
+def _b_simple(state: NoiseScaleState) -> jax.Array:
+    g, t = state.grad_sq_ema, state.trace_ema
+    # |G|^2 <= 0 (a noisy early estimate): the noise dominates, B is unbounded.
+    ratio = jnp.where(g > 0, t / jnp.where(g > 0, g, 1.0), jnp.inf)
+    ratio = jnp.where(t > 0, ratio, 0.0)
+    return jnp.where(state.windows > 0, ratio, jnp.nan)
+
+
+def _debiased(ema: jax.Array, state: NoiseScaleState) -> jax.Array:
+    return jnp.where(state.windows > 0, ema / state.ema_norm, jnp.nan)
+
+
+def _value(x: Any) -> jax.Array:
+    # flax nnx wraps optimizer-state arrays in Variables.
+    return jnp.asarray(x.get_value() if hasattr(x, "get_value") else x)
+
+
+def noise_scale(state: Any, micro_batch_size: int | None = None) -> NoiseScale:
+    r"""Reads the gradient noise scale from an optimizer state.
+
+    .. math::
+
+        B_\text{simple} = \frac{\mathrm{EMA}(S)}{\mathrm{EMA}(|G|^2)},\quad
+        |G|^2 \approx \frac{B_\text{big} |G_\text{big}|^2
+            - B_\text{small} |G_\text{small}|^2}{B_\text{big} - B_\text{small}},
+        \quad S \approx \frac{|G_\text{small}|^2 - |G_\text{big}|^2}
+            {1/B_\text{small} - 1/B_\text{big}}.
+
+    Batch sizes count units of ``weight``: micro-batches when no weight is
+    passed (each weighs 1), tokens with token weighting. Pass
+    ``micro_batch_size`` (examples per micro-batch, per device) to count
+    examples instead: ``b_simple``, ``trace_sigma``, ``b_small`` and ``b_big``
+    are then multiplied by it.
+
+    Args:
+      state: the state of `accumulate` or `MultiSteps` built with
+        ``noise_scale_decay``, or any state that holds exactly one (an
+        ``optax.chain`` tuple, an ``nnx.Optimizer``'s ``opt_state``).
+      micro_batch_size: optional examples per unit of weight, an int >= 1.
+
+    Returns:
+      A `NoiseScale`.
+
+    Raises:
+      ValueError: if ``state`` holds no noise-scale state, or several, or for
+        ``micro_batch_size`` < 1.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.5)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for g in ([1.0, 1.0], [3.0, 1.0]):
+      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
+      >>> ns = optax_accum.noise_scale(state, micro_batch_size=8)
+      >>> float(ns.grad_sq), float(ns.trace_sigma), float(ns.b_simple)
+      (4.0, 16.0, 4.0)
+    """
+    scale = (
+        1
+        if micro_batch_size is None
+        else check_positive_int(micro_batch_size, "micro_batch_size")
+    )
+    is_ns = lambda x: isinstance(x, NoiseScaleState)
+    found = [x for x in jax.tree.leaves(state, is_leaf=is_ns) if is_ns(x)]
+    if len(found) != 1:
+        raise ValueError(
+            "`state` must hold exactly one NoiseScaleState (build the optimizer "
+            f"with `noise_scale_decay`), found {len(found)} in "
+            f"{type(state).__name__}."
+        )
+    s = NoiseScaleState(*(_value(x) for x in found[0]))
+    return NoiseScale(
+        b_simple=_b_simple(s) * scale,
+        trace_sigma=_debiased(s.trace_ema, s) * scale,
+        grad_sq=_debiased(s.grad_sq_ema, s),
+        windows=s.windows,
+        b_small=s.b_small * scale,
+        b_big=s.b_big * scale,
+        k=s.k,
+    )
