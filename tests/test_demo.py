@@ -36,7 +36,7 @@ def test_demo_end_to_end(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # every benchmark's --quick run, on 2 busy cores
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -177,7 +177,7 @@ def test_bench_quick_on_the_repository_benchmarks(tmp_path):
         [sys.executable, "-m", "optax_accum", "bench", "--quick", "--out", str(md)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # every benchmark's --quick run, on 2 busy cores
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
