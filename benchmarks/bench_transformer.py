@@ -660,7 +660,7 @@ def markdown(data: dict) -> str:
             f"{_mib(plan['memory_bytes'])} | {16 * plan['micro_batch_size']} |"
         )
     fp = data["plan_full_batch_f32"]
-    if "error" not in fp:
+    if fp and "error" not in fp:
         lines += [
             "",
             f"Without accumulation (f32, no remat) the largest batch that fits is "
@@ -759,6 +759,21 @@ def write(data: dict, out_dir: Path) -> list[Path]:
     return [md, js, png]
 
 
+def targets_only(sizes: dict[str, Any]) -> dict[str, Any]:
+    """``sizes`` cut to the targets' variants at the largest target k."""
+    k = max(sizes["target_ks"])
+    return dict(
+        sizes,
+        combos=(ANCHOR,),
+        ks=(k,),
+        ks_other=(),
+        acc_ks=(k,),
+        target_ks=(k,),
+        sweep_micros=(),
+        plans=False,
+    )
+
+
 def run_full(
     quick: bool = False, out_dir: Path | None = None, rounds: int | None = None
 ) -> tuple[str, dict]:
@@ -785,6 +800,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"where the .md, .json and .png go (default {RESULTS_DIR})",
     )
     parser.add_argument(
+        "--targets-only",
+        action="store_true",
+        help="only the performance targets (no remat, f32, the largest target "
+        "k): more rounds in little time; writes transformer_<backend>_targets.*",
+    )
+    parser.add_argument(
         "--from-json",
         type=Path,
         default=None,
@@ -797,6 +818,18 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(args.from_json.read_text())
         write(data, args.out_dir)
         print(markdown(data))
+        return 0
+    if args.targets_only:
+        data = measure(
+            args.quick,
+            args.rounds,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+            sizes=targets_only(sizes_for(args.quick)),
+        )
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path = args.out_dir / f"transformer_{data['backend']}_targets.json"
+        path.write_text(json.dumps(data, indent=1))
+        print(json.dumps(data["targets"], indent=1))
         return 0
     md, _ = run_full(args.quick, args.out_dir, args.rounds)
     print(md)
