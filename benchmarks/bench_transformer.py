@@ -2,7 +2,7 @@
 # Copyright 2026 The optax_accum Authors.
 """The transformer workload: remat x precision x accumulation, memory and time.
 
-The reference GPT of ``examples/gpt.py`` (``cpu_small``, 10.5M parameters and
+The reference GPT of ``examples/gpt.py`` (``cpu_small``, 10.3M parameters and
 sequence 128 on the CPU; ``gpt2_small``, 124M and 1024 on a GPU or TPU) trained
 with AdamW, for remat in {none, dots, full} x compute in {f32, bf16} x k
 micro-batches of a fixed size, two ways: the fused `optax_accum.microbatch`
@@ -72,9 +72,9 @@ ANCHOR = ("none", "f32")
 # (no remat, f32), "ks_other" for the others; `accumulate` runs k calls of one
 # compiled step whose buffers do not depend on k, so it is measured at
 # "acc_ks" (anchor) and "acc_ks_other". The hand scan and optax.MultiSteps are
-# measured at "target_ks". On the CPU, XLA compiles the 10M model in 5 to 20 s
-# per variant on 2 busy cores, so the grid is cut there (see README) to keep
-# the whole run near a quarter of an hour.
+# measured at "target_ks". On the CPU, XLA compiles the 10M model in 5 to 30 s
+# per variant on 2 busy cores, so the grid is cut there (see README): 43
+# variants, 39 minutes on a 2-core machine loaded by other jobs.
 SIZES: dict[str, dict[str, Any]] = {
     "cpu": {
         "preset": "cpu_small",
