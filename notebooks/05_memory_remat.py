@@ -261,8 +261,8 @@ plt.show()
 # * **remat** shrinks what one micro-batch keeps: `dots` saves only the
 #   outputs of the weight matrix products, `full` only each block's input.
 #   **bfloat16** halves the activations that are kept, but the step also
-#   holds bfloat16 copies of the weights, so on a small model it can cost
-#   more than it saves.
+#   holds extra copies of the weights, so on a small model (and on the CPU)
+#   it can cost more than it saves.
 
 # %%
 for remat, dtype in COMBOS:
