@@ -108,10 +108,11 @@ SIZES: dict[str, dict[str, Any]] = {
         "sweep_batch": 32,
         "sweep_micros": (1, 2, 4, 8, 16),
     },
-    "quick": {
+    "quick": {  # a smoke test: 10 compilations of a one-layer model
         "preset": "tiny",
+        "changes": {"n_layers": 1},
         "micro": 2,
-        "combos": (ANCHOR, ("full", "bf16")),
+        "combos": (ANCHOR,),
         "ks": (4,),
         "ks_other": (4,),
         "acc_ks": (4,),
@@ -237,7 +238,7 @@ class Bench:
 
     def __init__(self, sizes: dict[str, Any], log: Callable[[str], None] = print):
         self.sizes, self.log = sizes, log
-        self.cfg = gpt.preset(sizes["preset"])
+        self.cfg = gpt.preset(sizes["preset"], **sizes.get("changes", {}))
         self.params = gpt.init_params(self.cfg)
         self.states = {
             kind: _init_state(kind, self.params)

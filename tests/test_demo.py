@@ -36,7 +36,7 @@ def test_demo_end_to_end(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # three scripts' compilations, on 2 shared cores
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -169,7 +169,7 @@ def test_bench_quick_on_the_repository_benchmarks(tmp_path):
         [sys.executable, "-m", "optax_accum", "bench", "--quick", "--out", str(md)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # three scripts' compilations, on 2 shared cores
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
