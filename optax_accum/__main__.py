@@ -5,12 +5,19 @@
 ``demo`` lives in `_demo`. ``bench`` runs the ``benchmarks/bench_*.py`` scripts
 of a source checkout (they are not part of the installed package), each of
 which exposes ``run(quick: bool) -> str`` returning a Markdown table.
+``bench --full`` writes one Markdown and one JSON file named after the device;
+a script that also has ``run_full(quick, out_dir) -> (markdown, dict)`` gives
+its own JSON data (and may write plots into ``out_dir``), the others' tables
+are parsed into rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -81,7 +88,20 @@ def _parser() -> argparse.ArgumentParser:
         description="Runs benchmarks/bench_*.py and prints their Markdown tables.",
     )
     bench.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    bench.add_argument("--out", help="also write the tables to this Markdown file")
+    bench.add_argument(
+        "--full",
+        action="store_true",
+        help=(
+            "every benchmark at the sizes of the backend found, written to one "
+            "Markdown and one JSON file (default: benchmarks/results/"
+            "bench_<device>.md and .json)"
+        ),
+    )
+    bench.add_argument(
+        "--out",
+        help="also write the tables to this Markdown file (with --full: the "
+        "report, and the JSON next to it)",
+    )
     bench.add_argument(
         "--benchmarks-dir",
         type=Path,
@@ -102,7 +122,81 @@ def _load(path: Path):
     return module
 
 
-def run_bench(quick: bool, out: str | None, benchmarks_dir: Path) -> int:
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "device"
+
+
+def parse_tables(markdown: str) -> list[list[dict[str, str]]]:
+    """The Markdown tables of ``markdown``, each a list of ``{header: cell}``."""
+    tables, block = [], []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+            continue
+        if len(block) >= 2 and all(re.fullmatch(r":?-+:?", c) for c in block[1]):
+            tables.append([dict(zip(block[0], row, strict=False)) for row in block[2:]])
+        block = []
+    return tables
+
+
+def _device() -> dict[str, object]:
+    import jax
+    import optax
+
+    device = jax.devices()[0]
+    return {
+        "device": getattr(device, "device_kind", str(device)),
+        "backend": jax.default_backend(),
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+    }
+
+
+def run_full_bench(quick: bool, out: str | None, scripts: list[Path]) -> int:
+    info = _device()
+    md_path = (
+        Path(out)
+        if out is not None
+        else scripts[0].parent / "results" / f"bench_{_slug(str(info['device']))}.md"
+    )
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"## Benchmarks on {info['device']} ({info['backend']}, "
+        f"{info['device_count']} device(s))"
+    )
+    sections = [
+        f"{title}\n\njax {info['jax']}, optax {info['optax']}, "
+        f"{info['date']}{', quick sizes' if quick else ''}. Command: "
+        f"`python -m optax_accum bench --full{' --quick' if quick else ''}`.\n"
+    ]
+    results: dict[str, object] = {}
+    for path in scripts:
+        print(f"Running {path.name} (full) ...", file=sys.stderr, flush=True)
+        module = _load(path)
+        if callable(getattr(module, "run_full", None)):
+            table, data = module.run_full(quick=quick, out_dir=md_path.parent)
+        else:
+            table = module.run(quick=quick)
+            data = {"markdown": table, "tables": parse_tables(table)}
+        section = f"### {path.stem}\n\n{table.strip()}\n"
+        print(section, flush=True)
+        sections.append(section)
+        results[path.stem] = data
+    md_path.write_text("\n".join(sections))
+    json_path = md_path.with_suffix(".json")
+    json_path.write_text(json.dumps({**info, "benchmarks": results}, indent=1))
+    print(f"Wrote {md_path.resolve()} and {json_path.resolve()}")
+    return 0
+
+
+def run_bench(
+    quick: bool, out: str | None, benchmarks_dir: Path, full: bool = False
+) -> int:
     scripts = (
         sorted(benchmarks_dir.glob("bench_*.py")) if benchmarks_dir.is_dir() else []
     )
@@ -114,6 +208,8 @@ def run_bench(quick: bool, out: str | None, benchmarks_dir: Path) -> int:
             file=sys.stderr,
         )
         return 2
+    if full:
+        return run_full_bench(quick, out, scripts)
     sections = []
     for path in scripts:
         print(f"Running {path.name}{' (quick)' if quick else ''} ...", file=sys.stderr)
@@ -142,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             tolerance=args.tolerance,
             progress=not args.no_progress,
         )
-    return run_bench(args.quick, args.out, args.benchmarks_dir)
+    return run_bench(args.quick, args.out, args.benchmarks_dir, full=args.full)
 
 
 if __name__ == "__main__":
