@@ -177,9 +177,7 @@ def device_local(
     size. Returns
     ``(value, grads, aux, state)``, reduced over ``axes``.
     """
-    n_dev = 1
-    for a in axes:
-        n_dev *= mesh.shape[a]
+    n_dev = _layout.mesh_size(mesh, axes)
     if (size // n_dev) % k:
         raise ValueError(
             f"each micro-batch must be spread over the {n_dev} devices of "
