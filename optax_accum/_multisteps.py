@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._accumulate import _make_engine, _Window
+from ._engine import _make_engine, _Window
 from ._extra_args import reads_value, value_dtype
 from ._mistakes import warn_if_clipped_before
 

@@ -7,7 +7,7 @@ of Large-Batch Training", arXiv 1812.06162, Appendix A): arithmetic on the
 squared norms of the window's micro-batch gradients and of their mean, the
 bias-corrected EMAs, the `noise_scale` reader, and the `adaptive_every_k`
 schedule that picks the next window's k from the estimate. The engine in
-`_accumulate` only calls it: `observe` once per micro-step (one fused
+`_engine` only calls it: `observe` once per micro-step (one fused
 reduction of the gradient it already reads), `boundary_stats` in the boundary
 branch, `close` on the scalars afterwards.
 
