@@ -332,7 +332,6 @@ def _build(
     def call(args: list, kwargs: dict, state: Any) -> tuple:
         if stateful:
             out, state = fun(*args, state=state, **kwargs)
-            check_fun_output(out, has_aux)
         else:
             out = fun(*args, **kwargs)
         check_fun_output(out, has_aux)
@@ -477,7 +476,8 @@ def _build(
             state, _ = state
         value, grads, aux, state = call(args, kwargs, state)
         aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
-        w = weight_of(args) if weighted else jnp.float32(1.0)
+        if user_axes is not None or decay is not None:
+            w = weight_of(args) if weighted else jnp.float32(1.0)
         if decay is not None:
             w_ns = w if weighted else jnp.float32(rows_of(args))
             sums = ns.window_sums(grads, w_ns)[:3]

@@ -35,7 +35,7 @@ def batch_mesh(
     batch_idx: tuple[int, ...],
     axes_mode: str | tuple[str, ...],
     mesh_axes: Any,
-) -> tuple[Any, tuple] | None:
+) -> tuple[Any, tuple]:
     """The mesh and the named axes to run the device-local loop over.
 
     ``axes_mode`` is the checked ``mesh_axes`` tuple; ``mesh_axes`` is the
