@@ -1,55 +1,95 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""optax_accum: exact, fast, memory-lean gradient accumulation for JAX."""
+"""optax_accum: exact, fast, memory-lean gradient accumulation for JAX.
+
+Two faces: `accumulate` (an optax transformation that accumulates across
+calls; `MultiSteps` is its drop-in for ``optax.MultiSteps``) and `microbatch`
+(k micro-batches fused into one compiled call). Submodules, imported on their
+own: ``optax_accum.flax`` (Flax train steps), ``optax_accum.distributed``
+(starting a multi-process job).
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 
 from ._accumulate import AccumulateState as AccumulateState
-from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
 from ._accumulate import state_specs as state_specs
-from ._distributed import LocalRun as LocalRun
-from ._distributed import initialize_distributed as initialize_distributed
-from ._distributed import launch_local as launch_local
-from ._layout import defer_reduction as defer_reduction
-from ._layout import state_shardings as state_shardings
+from ._deprecations import module_getattr
+from ._learning_rate import scale_learning_rate as scale_learning_rate
 from ._loss_scale import ScaledGrads as ScaledGrads
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
-from ._lr import batch_size_warmup as batch_size_warmup
-from ._lr import scale_learning_rate as scale_learning_rate
-from ._microbatch import WeightFn as WeightFn
 from ._microbatch import microbatch as microbatch
+from ._microbatch_options import WeightFn as WeightFn
 from ._multisteps import MultiSteps as MultiSteps
-from ._multisteps import MultiStepsNoiseState as MultiStepsNoiseState
 from ._multisteps import MultiStepsState as MultiStepsState
-from ._noise_scale import AdaptiveEveryK as AdaptiveEveryK
 from ._noise_scale import NoiseScale as NoiseScale
 from ._noise_scale import NoiseScaleState as NoiseScaleState
-from ._noise_scale import adaptive_every_k as adaptive_every_k
-from ._noise_scale import noise_scale as noise_scale
-from ._planner import MicroBatchPlan as MicroBatchPlan
+from ._partial_sums import defer_reduction as defer_reduction
+from ._planner import MicrobatchPlan as MicrobatchPlan
 from ._planner import compiled_memory_bytes as compiled_memory_bytes
-from ._planner import plan_micro_batch as plan_micro_batch
+from ._planner import plan_microbatch as plan_microbatch
+from ._schedules import AdaptiveEveryK as AdaptiveEveryK
+from ._schedules import adaptive_every_k as adaptive_every_k
+from ._schedules import batch_size_warmup as batch_size_warmup
+from ._sharding import state_shardings as state_shardings
+from ._skip import SkipFn as SkipFn
 from ._skip import skip_large_updates as skip_large_updates
 from ._skip import skip_not_finite as skip_not_finite
 from ._states import find_state as find_state
 from ._states import has_updated as has_updated
+from ._states import noise_scale as noise_scale
+from ._typing import AccumulatorDType as AccumulatorDType
+from ._typing import AxisName as AxisName
+from ._typing import Reduction as Reduction
 
 try:
     __version__ = version("optax_accum")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
+
+def _distributed(name: str):
+    def get():
+        from . import distributed
+
+        return getattr(distributed, name)
+
+    return get
+
+
+# Renamed in 0.2; the old names warn and will be removed in the next release.
+__getattr__ = module_getattr(
+    "optax_accum",
+    {
+        "plan_micro_batch": ("optax_accum.plan_microbatch", lambda: plan_microbatch),
+        "MicroBatchPlan": ("optax_accum.MicrobatchPlan", lambda: MicrobatchPlan),
+        "MultiStepsNoiseState": (
+            "optax_accum.MultiStepsState (one state type)",
+            lambda: MultiStepsState,
+        ),
+        "initialize_distributed": (
+            "optax_accum.distributed.initialize_distributed",
+            _distributed("initialize_distributed"),
+        ),
+        "launch_local": (
+            "optax_accum.distributed.launch_local",
+            _distributed("launch_local"),
+        ),
+        "LocalRun": ("optax_accum.distributed.LocalRun", _distributed("LocalRun")),
+    },
+)
+
 __all__ = [
     "AccumulateState",
+    "AccumulatorDType",
     "AdaptiveEveryK",
-    "LocalRun",
-    "MicroBatchPlan",
+    "AxisName",
+    "MicrobatchPlan",
     "MultiSteps",
-    "MultiStepsNoiseState",
     "MultiStepsState",
     "NoiseScale",
     "NoiseScaleState",
+    "Reduction",
     "ScaledGrads",
     "SkipFn",
     "WeightFn",
@@ -60,11 +100,9 @@ __all__ = [
     "defer_reduction",
     "find_state",
     "has_updated",
-    "initialize_distributed",
-    "launch_local",
     "microbatch",
     "noise_scale",
-    "plan_micro_batch",
+    "plan_microbatch",
     "scale_learning_rate",
     "scaled_value_and_grad",
     "skip_large_updates",

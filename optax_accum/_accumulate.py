@@ -3,21 +3,26 @@
 """`accumulate`: the per-call gradient-accumulation transformation.
 
 This module owns the public face: `AccumulateState`, the `accumulate` factory
-that maps its state onto the engine's window (`_engine`), and `state_specs`
-for keeping that state across ``shard_map`` calls.
+(which checks its options and builds the engine of `_engine`), and
+`state_specs` for keeping the state across ``shard_map`` calls.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from . import _checks, _dtypes, _extra_args, _reduction, _schedules, _skip
 from . import _noise_scale as ns
-from ._engine import EveryK, SkipFn, _make_engine, _Window
-from ._mistakes import warn_if_clipped_before
+from ._clip_warning import warn_if_clipped_before
+from ._deprecations import renamed_arguments, warn
+from ._devices import Devices
+from ._engine import Engine, Window
+from ._typing import AccumulatorDType, AxisName, Reduction
 
 
 class AccumulateState(NamedTuple):
@@ -29,10 +34,12 @@ class AccumulateState(NamedTuple):
       accumulator: the weighted running mean (``reduction="mean"``) or the
         weighted sum (``reduction="sum"``) of the window's gradients, in
         ``accumulator_dtype``. A boundary resets the window logically
-        (``micro_step`` and ``weight_sum`` return to 0) and the next accepted
+        (``micro_step`` and ``mean_weight`` return to 0) and the next accepted
         micro-batch overwrites the buffer; it is not zeroed in between, which
-        would cost a full pass over it (see the README).
-      weight_sum: float32, the sum of the accepted weights in the window.
+        would cost a full pass over it.
+      mean_weight: the mean of the window's accepted weights (their sum is
+        ``micro_step * mean_weight``; a mean cannot overflow), in float32, or
+        float64 where the accumulator is.
       inner_state: the inner optimizer's state. Only boundary steps change it.
       num_skipped: int32, micro-batches rejected so far, by ``skip_fn`` or
         for a weight that is not finite or is negative.
@@ -48,7 +55,7 @@ class AccumulateState(NamedTuple):
     micro_step: jax.Array
     update_step: jax.Array
     accumulator: optax.Updates
-    weight_sum: jax.Array
+    mean_weight: jax.Array
     inner_state: optax.OptState
     num_skipped: jax.Array
     updated: jax.Array
@@ -56,16 +63,23 @@ class AccumulateState(NamedTuple):
     value_accumulator: Any = ()
     noise_scale: Any = ()
 
+    @property
+    def weight_sum(self) -> jax.Array:
+        """Deprecated: the window's total weight, ``micro_step * mean_weight``."""
+        warn("`AccumulateState.weight_sum`", "`micro_step * mean_weight`")
+        return self.micro_step * self.mean_weight
 
+
+@renamed_arguments({"defer_axes": "data_axes"})
 def accumulate(
     inner: optax.GradientTransformation,
-    every_k: EveryK,
+    every_k: _schedules.EveryK,
     *,
-    reduction: str = "mean",
-    accumulator_dtype: Any = "promote",
-    skip_fn: SkipFn | None = None,
-    axis_name: Any = None,
-    defer_axes: Any = None,
+    reduction: Reduction = "mean",
+    accumulator_dtype: AccumulatorDType = "promote",
+    skip_fn: _skip.SkipFn | None = None,
+    axis_name: AxisName | None = None,
+    data_axes: AxisName | None = None,
     allow_value_fn: bool = False,
     noise_scale_decay: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -88,19 +102,28 @@ def accumulate(
     token-mean gradient.
 
     ``update`` takes extra keyword arguments: ``weight`` (a finite scalar
-    >= 0, default 1), ``close_window`` (a boolean scalar: when true, this
-    micro-batch closes the window early and the update averages over what was
-    accumulated, e.g. the last, partial window of an epoch), and anything
-    else, which reaches ``inner`` on the boundary step as the large batch would
-    pass it: ``value`` (the micro-batch's loss) is accumulated like the
-    gradients when ``inner`` reads it (``reduce_on_plateau``), ``grad`` is
-    replaced by the accumulated gradient, and ``value_fn`` raises unless
-    ``allow_value_fn``. Other extra args are forwarded as given on the
-    boundary micro-step.
+    >= 0, default 1; see **Weights**), ``close_window`` (a boolean scalar:
+    when true, this micro-batch closes the window early and the update
+    averages over what was accumulated, e.g. the last, partial window of an
+    epoch; a rejected micro-batch that carries it still closes the window
+    over the micro-batches accepted before it, and on an empty window it does
+    nothing), and anything else, which reaches ``inner`` on the boundary
+    step as the large batch would pass it: ``value`` (the micro-batch's
+    loss) is accumulated like the gradients when ``inner`` reads it
+    (``reduce_on_plateau``), ``grad`` is replaced by the accumulated
+    gradient, and ``value_fn`` raises unless ``allow_value_fn``. Other extra
+    args are forwarded as given on the boundary micro-step.
 
-    A micro-batch whose weight is NaN, infinite or negative is rejected like a
-    ``skip_fn`` rejection and counted in ``num_skipped``. A micro-batch of
-    weight 0 contributes nothing, even if its gradients are NaN. A window
+    **Weights** (the same contract as `microbatch`'s ``weight_fn``): a
+    micro-batch of weight 0 contributes nothing, even if its gradients are
+    NaN; one whose weight is NaN, infinite or negative is rejected like a
+    ``skip_fn`` rejection and counted in ``num_skipped``. Weights are held in
+    float32 (float64 where the accumulator is float64): any finite positive
+    weight from the smallest normal number up is honoured, and any number of
+    them, since the window keeps the mean of its weights, not their sum, and
+    its arithmetic runs at the accumulator's precision. A constant weight
+    that does not fit (1e39, or a subnormal 1e-40 in float32) raises; a
+    traced subnormal weight is flushed to 0 by XLA and weighs 0. A window
     whose weights sum to 0 (all padding) emits zeros and leaves ``inner``'s
     state and ``update_step`` untouched, like a hold step.
 
@@ -129,14 +152,14 @@ def accumulate(
       allow_value_fn: accept a ``value_fn`` extra argument (line searches such
         as ``optax.lbfgs``). A line search evaluates ``value_fn`` at trial
         points, so set this only if it computes the loss of the whole window,
-        not of one micro-batch; it is forwarded as given.
-      defer_axes: in a global-view ``jit`` step on an Explicit mesh, the mesh
+        not of one micro-batch; it is forwarded as given. With ``every_k=1``
+        the window is the micro-batch, and ``value_fn`` is always accepted.
+      data_axes: in a global-view ``jit`` step on an Explicit mesh, the mesh
         axis (or axes) that shard the batch, when the gradients come from
-        ``jax.grad(loss)(optax_accum.defer_reduction(params, axes), batch)``:
+        ``jax.grad(loss)(optax_accum.defer_reduction(params, data_axes), batch)``:
         they are then unreduced over those axes (each device's partial sum),
         the accumulator keeps them so (with its parameter's sharding
         otherwise), and the one all-reduce runs in the boundary branch.
-
       noise_scale_decay: ``None`` (off: the state and the compiled program are
         as without it) or the EMA decay in (0, 1) of the gradient noise scale,
         measured from each window's micro-batch gradients and their mean and
@@ -149,6 +172,9 @@ def accumulate(
     from the types; under an Auto mesh, initialise with
     ``jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))``).
 
+    Integer parameters' gradients (``float0``, from
+    ``jax.grad(..., allow_int=True)``) pass through to ``inner`` as they are.
+
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
       `AccumulateState`.
@@ -156,9 +182,10 @@ def accumulate(
     Raises:
       ValueError: for ``every_k`` < 1, an unknown ``reduction``, gradients that
         do not match the state, a non-scalar ``weight`` or ``close_window``, a
-        constant ``weight`` that is negative or not finite, or a ``value_fn``
-        without ``allow_value_fn``.
-      TypeError: for a non-integer ``every_k``, a non-float
+        constant ``weight`` that is negative, not finite or does not fit its
+        dtype, or a ``value_fn`` without ``allow_value_fn``.
+      TypeError: for an ``inner`` that is not an optimizer (e.g. the factory
+        ``optax.adam`` uncalled), a non-integer ``every_k``, a non-float
         ``accumulator_dtype``, a ``skip_fn`` that is not a skip function (e.g.
         the factory ``skip_large_updates`` uncalled) or returns no boolean
         scalar, or a ``weight`` that is not a real number.
@@ -177,32 +204,20 @@ def accumulate(
       >>> bool(optax_accum.has_updated(state))
       True
     """
-    engine = _make_engine(
+    engine = _engine_for(
         inner,
         every_k,
         reduction,
         accumulator_dtype,
         skip_fn,
         axis_name,
-        defer_axes=defer_axes,
-        allow_value_fn=allow_value_fn,
-        noise_scale_decay=noise_scale_decay,
+        data_axes,
+        allow_value_fn,
+        noise_scale_decay,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
-        window = engine.init_window(params)
-        return AccumulateState(
-            micro_step=window.micro_step,
-            update_step=window.update_step,
-            accumulator=window.accumulator,
-            weight_sum=window.weight_sum,
-            inner_state=window.inner_state,
-            num_skipped=jnp.zeros([], jnp.int32),
-            updated=jnp.zeros([], jnp.bool_),
-            skip_state=engine.init_skip_state(params),
-            value_accumulator=window.value,
-            noise_scale=window.noise,
-        )
+        return _init(engine, params)
 
     def update_fn(
         grads: optax.Updates,
@@ -214,35 +229,92 @@ def accumulate(
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
         warn_if_clipped_before("accumulate")
-        window = _Window(
-            state.micro_step,
-            state.update_step,
-            state.accumulator,
-            state.weight_sum,
-            state.inner_state,
-            state.value_accumulator,
-            state.noise_scale,
-        )
-        updates, window, emitted, skipped, skip_state = engine.step(
-            grads, window, params, weight, close_window, extra_args
-        )
-        return updates, AccumulateState(
-            micro_step=window.micro_step,
-            update_step=window.update_step,
-            accumulator=window.accumulator,
-            weight_sum=window.weight_sum,
-            inner_state=window.inner_state,
-            num_skipped=state.num_skipped + skipped.astype(jnp.int32),
-            updated=emitted,
-            skip_state=skip_state,
-            value_accumulator=window.value,
-            noise_scale=window.noise,
-        )
+        return _update(engine, grads, state, params, weight, close_window, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def state_specs(state: Any, axis_name: Any) -> Any:
+def _init(engine: Engine, params: optax.Params) -> AccumulateState:
+    window = engine.init_window(params)
+    return AccumulateState(
+        micro_step=window.micro_step,
+        update_step=window.update_step,
+        accumulator=window.accumulator,
+        mean_weight=window.weight,
+        inner_state=window.inner_state,
+        num_skipped=jnp.zeros([], jnp.int32),
+        updated=jnp.zeros([], jnp.bool_),
+        skip_state=engine.init_skip_state(params),
+        value_accumulator=window.value,
+        noise_scale=window.noise,
+    )
+
+
+def _update(engine, grads, state, params, weight, close_window, extra_args):
+    """One micro-step: the state as the engine's window, and back."""
+    window = Window(
+        state.micro_step,
+        state.update_step,
+        state.accumulator,
+        state.mean_weight,
+        state.inner_state,
+        state.value_accumulator,
+        state.noise_scale,
+    )
+    out = engine.step(grads, window, params, weight, close_window, extra_args)
+    return out.updates, AccumulateState(
+        micro_step=out.window.micro_step,
+        update_step=out.window.update_step,
+        accumulator=out.window.accumulator,
+        mean_weight=out.window.weight,
+        inner_state=out.window.inner_state,
+        num_skipped=state.num_skipped + out.skipped.astype(jnp.int32),
+        updated=out.stepped,
+        skip_state=out.skip_state,
+        value_accumulator=out.window.value,
+        noise_scale=out.window.noise,
+    )
+
+
+def _engine_for(
+    inner, every_k, reduction, accumulator_dtype, skip_fn, axis_name, data_axes,
+    allow_value_fn, noise_scale_decay,
+) -> Engine:  # fmt: skip
+    """`accumulate`'s options, checked in its names, as an engine."""
+    _checks.optimizer(inner, "inner")
+    _schedules.check(every_k, "every_k")
+    strategy = _reduction.get(reduction)
+    _skip.check(skip_fn, "skip_fn")
+    data_axes = _checks.axis_names(data_axes, "data_axes") or ()
+    if data_axes and axis_name is not None:
+        raise ValueError(
+            "Pass either `axis_name` (inside shard_map/pmap) or `data_axes` "
+            f"(global view), not both: got axis_name={axis_name!r}, "
+            f"data_axes={data_axes!r}."
+        )
+    adaptive = isinstance(every_k, _schedules.AdaptiveEveryK)
+    decay = ns.check_options(
+        noise_scale_decay, adaptive, reduction, "every_k", data_axes
+    )
+    # With a static k of 1 the window is the micro-batch: its value_fn is.
+    allow = bool(allow_value_fn) or _schedules.is_static_one(every_k)
+    return Engine(
+        inner=optax.with_extra_args_support(inner),
+        k_of=_schedules.k_of(every_k, "every_k"),
+        adaptive=every_k if adaptive else None,
+        reduction=strategy,
+        accumulator_dtype=_dtypes.canonical(accumulator_dtype),
+        skip=_skip.decider(skip_fn, "skip_fn"),
+        devices=Devices(axis_name),
+        data_axes=data_axes,
+        extra_args=functools.partial(
+            _extra_args.read, allow_value_fn=allow, owner="accumulate"
+        ),
+        noise_scale_decay=decay,
+    )
+
+
+def state_specs(state: Any, axis_name: AxisName) -> Any:
     """Partition specs for keeping `accumulate` state across ``shard_map`` calls.
 
     With ``axis_name``, each device accumulates its own gradients, so the
@@ -279,7 +351,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
             micro_step=replicated,
             update_step=replicated,
             accumulator=fill(x.accumulator, sharded),
-            weight_sum=sharded,
+            mean_weight=sharded,
             inner_state=state_specs(x.inner_state, axis_name),
             num_skipped=replicated,
             updated=replicated,

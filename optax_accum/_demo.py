@@ -24,9 +24,9 @@ import numpy as np
 import optax
 
 from ._accumulate import accumulate
-from ._lr import scale_learning_rate
+from ._learning_rate import scale_learning_rate
 from ._microbatch import microbatch
-from ._noise_scale import noise_scale
+from ._states import noise_scale
 
 PLOT_NAME = "optax_accum_demo.png"
 
@@ -211,7 +211,7 @@ def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
             )
             losses.append(loss)
         if t in read_at:
-            b_simple = noise_scale(opt_state, micro_batch_size=size).b_simple
+            b_simple = noise_scale(opt_state, microbatch_size=size).b_simple
             noise.append((t, float(b_simple)))
     jax.block_until_ready(params)
     seconds = (time.perf_counter() - start) / steps

@@ -2,398 +2,394 @@
 # Copyright 2026 The optax_accum Authors.
 """The accumulation engine shared by `accumulate` and the `MultiSteps` drop-in.
 
-One micro-step reads grads -> accumulate -> (at a boundary) reduce -> inner ->
-updates: the accumulator arithmetic (weighted running mean or weighted sum),
-the window counters, the skip and weight checks and the single `lax.cond` that
-runs the inner optimizer on boundary micro-steps only. Sharding is asked of
-`_layout`, the gradient noise scale of `_noise_scale`, the window's extra
-arguments of `_extra_args`; the public states map onto `_Window`.
+`Engine.step` is one micro-step, and reads as the data path:
+
+    admit the micro-batch -> accumulate it -> at a boundary: reduce over
+    devices -> inner optimizer -> its updates; on a hold step: zeros ->
+    the next window.
+
+The parts it calls each live with their concept: the mean/sum arithmetic in
+`_reduction`, the weight contract in `_weights`, local vs per-device windows
+in `_devices`, the extra args in `_extra_args`, the k of a window in
+`_schedules`, the skip decision in `_skip`, the noise scale in `_noise_scale`,
+buffers and their shardings in `_sharding`, and the zeros of a hold step in
+`_compiler`. The front-ends validate their options, in their own names, and
+hand the engine checked parts; the public states map onto `Window`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from . import _layout
+from . import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _weights
 from . import _noise_scale as ns
-from ._extra_args import check_value, check_value_fn, reads_value, value_dtype
-from ._validation import (
-    accumulator_dtype_for,
-    canonical_accumulator_dtype,
-    check_close_window,
-    check_every_k,
-    check_reduction,
-    check_skip_fn,
-    check_weight,
-    normalize_skip_result,
-    weight_ok,
-)
-
-EveryK = int | Callable[[jax.Array], jax.typing.ArrayLike]
+from ._checks import bool_scalar
+from ._devices import Devices
+from ._reduction import Mean, Sum
 
 
-class SkipFn(Protocol):
-    """Decides whether a micro-batch's gradients are rejected.
+class Window(NamedTuple):
+    """What the engine reads and writes; both public states map onto it.
 
-    Called as ``skip_fn(grads, update_step, params)``. Returns a boolean scalar
-    (``True`` rejects the micro-batch), or an optax-style tuple
-    ``(should_skip, skip_state)`` whose second element is stored in the state.
+    ``weight`` is the mean of the window's accepted weights (so that it cannot
+    overflow), per device under an axis name; the window's total weight is
+    ``micro_step * weight``.
     """
-
-    def __call__(
-        self, grads: optax.Updates, update_step: jax.Array, params: optax.Params | None
-    ) -> jax.Array | tuple[jax.Array, Any]: ...
-
-
-class _Window(NamedTuple):
-    """What the engine reads and writes; both public states map onto it."""
 
     micro_step: jax.Array
     update_step: jax.Array
     accumulator: optax.Updates
-    weight_sum: jax.Array
+    weight: jax.Array
     inner_state: optax.OptState
     value: Any = ()  # the value slot: a scalar, or () if ``inner`` ignores value
     noise: Any = ()
 
 
-class _Engine(NamedTuple):
-    init_window: Callable[[optax.Params], _Window]
-    step: Callable[..., tuple[optax.Updates, _Window, jax.Array, jax.Array, Any]]
-    init_skip_state: Callable[[optax.Params], Any]
+class Admitted(NamedTuple):
+    """One micro-batch, as `Engine._admit` let it in.
 
-
-def _split_extra_args(extra_args: dict[str, Any]) -> tuple[dict, dict]:
-    """Splits extra args into array pytrees (cond operands) and the rest."""
-    dynamic, static = {}, {}
-    for key, value in extra_args.items():
-        leaves = jax.tree.leaves(value)
-        if leaves and all(isinstance(x, jax.Array) for x in leaves):
-            dynamic[key] = value
-        else:
-            static[key] = value
-    return dynamic, static
-
-
-def _zeros(shapes: Any, counter: jax.Array) -> Any:
-    """Exact zeros for each leaf, each written by its own broadcast.
-
-    XLA merges identical broadcasts and then copies the one buffer into each
-    output. ``counter`` is a traced int32 that is never negative, so
-    ``counter == -(i + 1)`` is always false, but XLA cannot prove it: each
-    leaf gets a distinct scalar source and its own write-only broadcast.
+    ``weight`` is 0 where the micro-batch contributes nothing: rejected
+    (``accept`` false), or a bad weight on one device of several.
     """
-    leaves, treedef = jax.tree.flatten(shapes)
-    zeros = [
-        _layout.broadcast(jnp.where(counter == -(i + 1), 1, 0).astype(s.dtype), s)
-        for i, s in enumerate(leaves)
-    ]
-    return jax.tree.unflatten(treedef, zeros)
+
+    grads: optax.Updates
+    weight: jax.Array
+    accept: jax.Array
+    close: jax.Array
+    skip_state: Any
+    args: _extra_args.WindowArgs
 
 
-def _make_engine(
-    inner: optax.GradientTransformation,
-    every_k: EveryK,
-    reduction: str,
-    accumulator_dtype: Any,
-    skip_fn: SkipFn | None,
-    axis_name: Any,
-    names: tuple[str, str] = ("every_k", "skip_fn"),
-    defer_axes: Any = None,
-    allow_value_fn: bool = False,
-    owner: str = "accumulate",
-    noise_scale_decay: float | None = None,
-) -> _Engine:
-    """Builds the engine; ``names`` are the caller's names for every_k, skip_fn."""
-    k_arg, skip_arg = names
-    defer = _layout.axes_of(defer_axes)
-    if defer and axis_name is not None:
-        raise ValueError(
-            "Pass either `axis_name` (inside shard_map/pmap) or `defer_axes` "
-            f"(global view), not both: got axis_name={axis_name!r}, "
-            f"defer_axes={defer_axes!r}."
-        )
-    inner = optax.with_extra_args_support(inner)
-    decay = ns.check_decay(noise_scale_decay)
-    if decay is not None and defer:
-        raise ValueError(
-            "`noise_scale_decay` needs each device's micro-batch gradients, which "
-            "`defer_axes` leaves as unreduced partial sums: use one or the other "
-            f"(got defer_axes={defer_axes!r})."
-        )
-    schedule = every_k if isinstance(every_k, ns.AdaptiveEveryK) else None
-    if schedule is None:
-        check_every_k(every_k, arg=k_arg)
-    check_skip_fn(skip_fn, skip_arg)
-    check_reduction(reduction)
-    ns.check_engine_args(decay, schedule, reduction, k_arg)
-    acc_dtype = canonical_accumulator_dtype(accumulator_dtype)
-    mean = reduction == "mean"
-    # With an axis name, device-local leaves carry a leading axis of length 1,
-    # so that under shard_map they stack into a global (num_devices, ...) array.
-    slot = () if axis_name is None else (1,)
+class Step(NamedTuple):
+    """What one micro-step returns to the front-end."""
 
-    def acc_like(x: jax.Array) -> jax.Array:
-        # Each buffer has its parameter's sharding (unreduced over the
-        # deferred axes): never a replicated copy of a sharded parameter.
-        dtype = accumulator_dtype_for(jnp.result_type(x), acc_dtype)
-        zeros = _layout.zeros_like(x, dtype, _layout.deferrable(x, defer))
-        return jnp.reshape(zeros, slot + jnp.shape(x)) if slot else zeros
+    updates: optax.Updates
+    window: Window
+    stepped: jax.Array
+    skipped: jax.Array
+    skip_state: Any
 
-    def local(x: Any) -> Any:
-        return jax.tree.map(lambda a: jnp.reshape(a, slot + jnp.shape(a)), x)
 
-    def init_window(params: optax.Params) -> _Window:
-        inner_state = inner.init(params)
+SkipDecider = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+KOf = Callable[[jax.Array, Any], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """A checked configuration, built by a front-end; see `step`.
+
+    Attributes:
+      inner: the inner optimizer (with extra-args support).
+      k_of: ``(update_step, noise) -> k`` of the window it opens.
+      adaptive: the `AdaptiveEveryK` schedule, if any (fed by the noise scale).
+      reduction: the `Mean` or `Sum` strategy.
+      accumulator_dtype: the canonical accumulator dtype policy.
+      skip: ``(grads, update_step, params) -> (should_skip, skip_state)``.
+      devices: local, or per device of an axis name.
+      data_axes: mesh axes over which the gradients arrive unreduced.
+      extra_args: how to read the extra args (``read(extra_args, value_slot)``).
+      noise_scale_decay: the noise-scale EMA decay, or None.
+    """
+
+    inner: optax.GradientTransformationExtraArgs
+    k_of: KOf
+    adaptive: Any
+    reduction: Mean | Sum
+    accumulator_dtype: Any
+    skip: SkipDecider | None
+    devices: Devices
+    data_axes: tuple[str, ...]
+    extra_args: Callable[[dict, bool], _extra_args.WindowArgs]
+    noise_scale_decay: float | None
+
+    # ---- the state ---------------------------------------------------------
+
+    def init_window(self, params: optax.Params) -> Window:
+        inner_state = self.inner.init(params)
+        accumulator = jax.tree.map(self._buffer_like, params)
+        slot = self.devices.slot
         value = ()
-        if reads_value(inner, params, inner_state):
-            value = jnp.zeros(slot, value_dtype(params))
-        return _Window(
+        if _extra_args.reads_value(self.inner, params, inner_state):
+            value = jnp.zeros(slot, _extra_args.value_dtype(params))
+        noise = ()
+        if self.noise_scale_decay is not None:
+            noise = ns.init(slot, self.adaptive)
+        return Window(
             micro_step=jnp.zeros([], jnp.int32),
             update_step=jnp.zeros([], jnp.int32),
-            accumulator=jax.tree.map(acc_like, params),
-            weight_sum=jnp.zeros(slot, jnp.float32),
+            accumulator=accumulator,
+            weight=jnp.zeros(slot, _dtypes.weight_dtype(accumulator)),
             inner_state=inner_state,
             value=value,
-            noise=() if decay is None else ns.init(slot, schedule),
-        )
-
-    def init_skip_state(params: optax.Params) -> Any:
-        if skip_fn is None:
-            return ()
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        _, skip_state = normalize_skip_result(
-            skip_fn(zeros, jnp.zeros([], jnp.int32), params), skip_arg
-        )
-        return local(skip_state)
-
-    def current_k(update_step: jax.Array) -> jax.Array:
-        if callable(every_k):
-            k = every_k(update_step)
-            check_every_k(k, from_schedule=True, arg=k_arg)
-            return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
-        return jnp.asarray(every_k, jnp.int32)
-
-    def step(grads, window: _Window, params, weight, close_window, extra_args):
-        acc_tree = jax.tree.structure(window.accumulator)
-        if jax.tree.structure(grads) != acc_tree:
-            raise ValueError(
-                "`grads` must have the tree structure of the parameters the "
-                f"state was initialised with: expected {acc_tree}, got "
-                f"{jax.tree.structure(grads)}."
-            )
-        for g, a in zip(
-            jax.tree.leaves(grads), jax.tree.leaves(window.accumulator), strict=True
-        ):
-            if slot + jnp.shape(g) != jnp.shape(a):
-                raise ValueError(
-                    "`grads` leaf shapes must match the state's accumulator: got "
-                    f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]}."
-                )
-        _layout.check_like(grads, window.accumulator, len(slot))
-        w = check_weight(weight)
-        close_window = check_close_window(close_window)
-        extra_args = dict(extra_args)
-        check_value_fn(extra_args, allow_value_fn, owner)
-        # Over a window, `value` and `grad` describe the large batch: the value
-        # is accumulated in its slot (if `inner` reads it), `grad` replaced.
-        has_value = not isinstance(window.value, tuple) and "value" in extra_args
-        value_in = check_value(extra_args.pop("value")) if has_value else None
-        pass_grad = extra_args.pop("grad", None) is not None
-
-        # A weight that is not finite or is negative rejects the micro-batch.
-        # With an axis name and no skip_fn, agreeing would cost an all-reduce
-        # per micro-step: the device's micro-batch then just weighs 0.
-        bad_weight = jnp.logical_not(weight_ok(w))
-        if skip_fn is None:
-            skip_state = ()
-            should_skip = bad_weight if axis_name is None else jnp.bool_(False)
-        else:
-            should_skip, skip_state = normalize_skip_result(
-                skip_fn(grads, window.update_step, params), skip_arg
-            )
-            should_skip = jnp.logical_or(should_skip, bad_weight)
-            if axis_name is not None:
-                # Every device must agree, or their windows (and collectives)
-                # would diverge: one scalar all-reduce per micro-step.
-                should_skip = lax.psum(should_skip.astype(jnp.int32), axis_name) > 0
-        accept = jnp.logical_not(should_skip)
-
-        k = window.noise.k if schedule else current_k(window.update_step)
-        first = window.micro_step == 0
-        w = jnp.where(jnp.logical_and(accept, jnp.logical_not(bad_weight)), w, 0.0)
-        w_old = jnp.where(first, 0.0, window.weight_sum.reshape([]))
-        w_new = w_old + w
-        # Nothing has been added while the weights sum to 0: the next
-        # contribution overwrites the (stale) buffer.
-        fresh = w_old == 0
-        # A micro-batch of weight 0 contributes nothing, whatever its values
-        # (a 0/0 = NaN token mean of an all-padding micro-batch): select, not
-        # multiply, as 0 * NaN = NaN.
-        contributes = w > 0
-        if mean:
-            coef = jnp.where(w_new > 0, w / jnp.where(w_new > 0, w_new, 1.0), 0.0)
-
-        # One fused elementwise pass per leaf. The first micro-batch of a
-        # window overwrites the accumulator, so a reset is never read.
-        def add(g, a):
-            g = jnp.reshape(g, slot + jnp.shape(g)).astype(a.dtype)
-            if mean:
-                new = jnp.where(fresh, g, _layout.lerp(a, g, coef))
-            else:
-                wg = _layout.scale(g, w)
-                new = jnp.where(fresh, wg, a + wg)
-            return jnp.where(contributes, new, a)
-
-        micro = window.micro_step + accept.astype(jnp.int32)
-        emit = jnp.logical_and(micro > 0, jnp.logical_or(micro >= k, close_window))
-
-        dynamic, static = _split_extra_args(extra_args)
-
-        def inner_update(g, inner_state, params, dynamic):
-            return inner.update(g, inner_state, params, **static, **dynamic)
-
-        def window_args(dynamic, g, value):
-            """The extra args of the window: its gradient and value."""
-            dynamic = dict(dynamic)
-            if pass_grad:
-                dynamic["grad"] = g
-            if value_in is not None:
-                dynamic["value"] = value.astype(value_in.dtype)
-            return dynamic
-
-        def reduced(tree, w_sum, stats=()):
-            """The window's reduction over devices: the tree, the total weight
-            and ``stats`` (device-local scalars), in one all-reduce."""
-            tree = jax.tree.map(lambda a: a.reshape(a.shape[len(slot) :]), tree)
-            # The deferred data-parallel reduction, once per update.
-            tree = jax.tree.map(_layout.finish, tree)
-            # A device (or window) whose weights sum to 0 holds a stale buffer.
-            local_tree = jax.tree.map(lambda a: jnp.where(w_sum > 0, a, 0), tree)
-            if axis_name is None:
-                return local_tree, w_sum, stats
-            if mean:
-                # One all-reduce for the weighted sum and the weight together.
-                local_sum = jax.tree.map(
-                    lambda a: w_sum.astype(a.dtype) * a, local_tree
-                )
-                total_sum, total, stats = lax.psum((local_sum, w_sum, stats), axis_name)
-                return (
-                    jax.tree.map(
-                        lambda a: jnp.where(
-                            total > 0, a / jnp.where(total > 0, total, 1), 0
-                        ),
-                        total_sum,
-                    ),
-                    total,
-                    stats,
-                )
-            return lax.psum((local_tree, w_sum, stats), axis_name)
-
-        def cast_like(tree, like):
-            def cast(x, y):
-                # PRNG keys (noisy_sgd) and other extended dtypes stay as they are.
-                if x.dtype == y.dtype or jnp.issubdtype(y.dtype, jax.dtypes.extended):
-                    return x
-                return x.astype(y.dtype)
-
-            return jax.tree.map(cast, tree, like)
-
-        # The accumulator is updated in place outside the cond, and never
-        # reset: a window's first micro-batch overwrites it (``fresh`` above).
-        # The cond only reads it and writes the updates and the inner state.
-        # Routing the accumulator through the cond, or a separate reset pass,
-        # costs XLA a full copy of it per micro-step.
-        acc = jax.tree.map(add, grads, window.accumulator)
-        value_acc = window.value
-        if value_in is not None:
-            value_acc = add(value_in, window.value)
-        noise = window.noise
-        if decay is not None:
-            noise = ns.observe(noise, grads, w, first)
-        local_stats = ns.local_stats(noise)
-
-        def updates_of(g, inner_state, params):
-            g = jax.tree.map(_layout.finish, g)  # what the boundary passes on
-            zero_value = jnp.zeros([], jnp.float32)
-            return inner_update(
-                g, inner_state, params, window_args(dynamic, g, zero_value)
-            )[0]
-
-        updates_shape = jax.eval_shape(updates_of, grads, window.inner_state, params)
-
-        def hold(inner_state):
-            return _zeros(updates_shape, window.update_step), inner_state, False
-
-        def on_boundary(acc, value_acc, w_sum, inner_state, params, dynamic, local):
-            (g, value), total, sums = reduced((acc, value_acc), w_sum, local)
-            stats = ns.boundary_stats(g, (*sums, total)) if local else ()
-            g = cast_like(g, grads)
-
-            def step_inner(g, value, inner_state, params, dynamic):
-                dynamic = window_args(dynamic, g, value)
-                updates, new_inner = inner_update(g, inner_state, params, dynamic)
-                return updates, cast_like(new_inner, inner_state), True
-
-            def skip_inner(g, value, inner_state, params, dynamic):
-                del g, value, params, dynamic
-                return hold(inner_state)
-
-            if axis_name is None:  # the predicate already checked the weight
-                return (*step_inner(g, value, inner_state, params, dynamic), stats)
-            # A window whose weights sum to 0 (all padding) steps nothing.
-            out = lax.cond(
-                total > 0,
-                step_inner,
-                skip_inner,
-                g,
-                value,
-                inner_state,
-                params,
-                dynamic,
-            )
-            return (*out, stats)
-
-        def on_hold(acc, value_acc, w_sum, inner_state, params, dynamic, local):
-            del acc, value_acc, w_sum, params, dynamic
-            return (*hold(inner_state), ns.zero_stats() if local else ())
-
-        # Without an axis name the total weight is known here: a window whose
-        # weights sum to 0 emits zeros and leaves the inner state untouched.
-        run = emit if axis_name is not None else jnp.logical_and(emit, w_new > 0)
-        updates, inner_state, stepped, stats = lax.cond(
-            run,
-            on_boundary,
-            on_hold,
-            acc,
-            value_acc,
-            w_new,
-            window.inner_state,
-            params,
-            dynamic,
-            local_stats,
-        )
-        stepped = jnp.asarray(stepped, jnp.bool_)
-        if decay is not None:
-            devices = 1 if axis_name is None else lax.axis_size(axis_name)
-            noise = ns.close(noise, emit, stats, decay, schedule, devices)
-        new_window = _Window(
-            micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
-            update_step=(window.update_step + stepped.astype(jnp.int32)).astype(
-                jnp.int32
-            ),
-            accumulator=acc,
-            weight_sum=jnp.where(emit, 0.0, w_new).astype(jnp.float32).reshape(slot),
-            inner_state=inner_state,
-            value=value_acc,
             noise=noise,
         )
-        return updates, new_window, stepped, jnp.logical_not(accept), local(skip_state)
 
-    return _Engine(init_window, step, init_skip_state)
+    def _buffer_like(self, x: jax.Array) -> jax.Array:
+        """The accumulator leaf of a parameter: its sharding (unreduced over
+        the data axes), never a replicated copy of a sharded parameter."""
+        dtype = _dtypes.for_gradient(jnp.result_type(x), self.accumulator_dtype)
+        deferred = _partial_sums.deferrable(x, self.data_axes)
+        zeros = _sharding.zeros_like(x, dtype, deferred)
+        return self.devices.local(zeros)
+
+    def init_skip_state(self, params: optax.Params) -> Any:
+        if self.skip is None:
+            return ()
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        _, skip_state = self.skip(zeros, jnp.zeros([], jnp.int32), params)
+        return self.devices.local(skip_state)
+
+    # ---- one micro-step ----------------------------------------------------
+
+    def step(self, grads, window: Window, params, weight, close_window, extra_args):
+        """grads -> accumulate -> (boundary: reduce -> inner -> updates)."""
+        with jax.named_scope("optax_accum/accumulate"):
+            _check_grads(grads, window.accumulator, self.devices)
+            mb = self._admit(grads, window, params, weight, close_window, extra_args)
+            acc, mean_weight, value = self._accumulate(mb, window)
+            noise = window.noise
+            if self.noise_scale_decay is not None:
+                noise = ns.observe(noise, mb.grads, mb.weight, window.micro_step == 0)
+            micro = window.micro_step + mb.accept.astype(jnp.int32)
+            k = self.k_of(window.update_step, window.noise)
+            emit = (micro > 0) & ((micro >= k) | mb.close)
+            updates, inner_state, stepped, stats = self._update_or_hold(
+                emit, mb, window, params, acc, value, mean_weight, micro, noise
+            )
+            if self.noise_scale_decay is not None:
+                noise = ns.close(
+                    noise,
+                    emit,
+                    stats,
+                    self.noise_scale_decay,
+                    self.adaptive,
+                    self.devices.count(),
+                )
+            new_window = Window(
+                micro_step=jnp.where(emit, 0, micro).astype(jnp.int32),
+                update_step=window.update_step + stepped.astype(jnp.int32),
+                accumulator=acc,
+                weight=jnp.where(emit, 0, mean_weight)
+                .astype(window.weight.dtype)
+                .reshape(self.devices.slot),
+                inner_state=inner_state,
+                value=value,
+                noise=noise,
+            )
+            skipped = jnp.logical_not(mb.accept)
+            return Step(updates, new_window, stepped, skipped, mb.skip_state)
+
+    def _admit(self, grads, window, params, weight, close_window, extra_args):
+        """The checks, the extra args and the skip decision for one call."""
+        w = _weights.check(weight, window.weight.dtype)
+        close = bool_scalar(close_window, "close_window")
+        value_slot = not isinstance(window.value, tuple)
+        args = self.extra_args(extra_args, value_slot=value_slot)
+        bad_weight = jnp.logical_not(_weights.usable(w))
+        if self.skip is None:
+            skip_state = ()
+            # Per device, agreeing would cost an all-reduce per micro-step:
+            # a bad weight there just weighs 0 (`_weights`' contract).
+            should_skip = jnp.bool_(False) if self.devices.mapped else bad_weight
+        else:
+            should_skip, skip_state = self.skip(grads, window.update_step, params)
+            # Every device must agree, or their windows (and collectives)
+            # would diverge: one scalar all-reduce per micro-step.
+            should_skip = self.devices.agree(should_skip | bad_weight)
+        accept = jnp.logical_not(should_skip)
+        w = jnp.where(accept, _weights.admitted(w), jnp.zeros_like(w))
+        skip_state = self.devices.local(skip_state)
+        return Admitted(grads, w, accept, close, skip_state, args)
+
+    def _accumulate(self, mb: Admitted, window: Window):
+        """The micro-batch into the window: one fused pass per leaf.
+
+        The accumulator is updated in place, outside the boundary's cond, and
+        never reset: the window's first contribution overwrites the stale
+        buffer (``fresh``). Routing it through the cond, or a reset pass,
+        costs XLA a full copy of it per micro-step. A weight-0 micro-batch
+        contributes nothing, whatever its values: select, not multiply, as
+        0 * NaN = NaN.
+        """
+        first = window.micro_step == 0
+        old = jnp.where(first, 0, window.weight.reshape([]))
+        new, coef = _weights.running_mean(old, window.micro_step + 1, mb.weight)
+        new = jnp.where(mb.accept, new, old)
+        fresh = old == 0
+        contributes = mb.weight > 0
+
+        def add(g, a):
+            if _dtypes.is_float0(g):  # an integer input's gradient: nothing
+                return a
+            g = jnp.reshape(g, self.devices.slot + jnp.shape(g))
+            written = jnp.where(
+                fresh,
+                self.reduction.first(g, mb.weight),
+                self.reduction.step(a, g, coef, mb.weight),
+            )
+            return jnp.where(contributes, written.astype(a.dtype), a)
+
+        acc = jax.tree.map(add, mb.grads, window.accumulator)
+        value = window.value
+        if mb.args.value is not None:
+            value = add(mb.args.value, window.value)
+        return acc, new, value
+
+    def _update_or_hold(
+        self, emit, mb, window, params, acc, value, weight, micro, noise
+    ):
+        """The single `lax.cond`: the inner optimizer on boundary steps only."""
+        shapes = jax.eval_shape(
+            functools.partial(self._inner_updates, mb.args),
+            mb.grads,
+            window.inner_state,
+            params,
+            mb.args.dynamic,
+        )
+        # Without an axis name the total weight is known here: a window whose
+        # weights sum to 0 emits zeros and leaves the inner state untouched.
+        run = emit if self.devices.mapped else emit & (weight > 0)
+        local_stats = ns.local_stats(noise)
+
+        def boundary(acc, value, weight, micro, inner_state, params, dynamic, stats):
+            with jax.named_scope("optax_accum/boundary"):
+                return self._boundary(
+                    mb, shapes, acc, value, weight, micro, inner_state, params,
+                    dynamic, stats,
+                )  # fmt: skip
+
+        def hold(acc, value, weight, micro, inner_state, params, dynamic, stats):
+            del acc, value, weight, micro, params, dynamic
+            zeros = _hold_updates(shapes, window.update_step)
+            return zeros, inner_state, False, ns.zero_stats() if stats else ()
+
+        updates, inner_state, stepped, stats = lax.cond(
+            run,
+            boundary,
+            hold,
+            acc,
+            value,
+            weight,
+            micro,
+            window.inner_state,
+            params,
+            mb.args.dynamic,
+            local_stats,
+        )
+        return updates, inner_state, jnp.asarray(stepped, jnp.bool_), stats
+
+    def _inner_updates(self, args, grads, inner_state, params, dynamic):
+        """What the boundary emits (traced for the hold step's zeros)."""
+        g = jax.tree.map(_window_gradient, grads)
+        kwargs = _extra_args.for_inner(args, dynamic, g, jnp.float32(0))
+        return self.inner.update(g, inner_state, params, **kwargs)[0]
+
+    def _boundary(
+        self, mb, shapes, acc, value, weight, micro, inner_state, params, dynamic,
+        stats,
+    ):  # fmt: skip
+        """Reduce over devices -> inner -> its updates."""
+        (g, value), total, sums = self._reduce((acc, value), weight, micro, stats)
+        noise_stats = ns.boundary_stats(g, (*sums, total)) if stats else ()
+        g = _like(g, mb.grads)
+
+        def step_inner(g, value, inner_state, params, dynamic):
+            kwargs = _extra_args.for_inner(mb.args, dynamic, g, value)
+            updates, new_inner = self.inner.update(g, inner_state, params, **kwargs)
+            return updates, _like(new_inner, inner_state), True
+
+        def skip_inner(g, value, inner_state, params, dynamic):
+            del g, value, params, dynamic
+            return _hold_updates(shapes, micro), inner_state, False
+
+        if not self.devices.mapped:  # the predicate already checked the weight
+            return (*step_inner(g, value, inner_state, params, dynamic), noise_stats)
+        # A window whose weights sum to 0 on every device steps nothing.
+        out = lax.cond(
+            total > 0, step_inner, skip_inner, g, value, inner_state, params, dynamic
+        )
+        return (*out, noise_stats)
+
+    def _reduce(self, tree, weight, micro, stats):
+        """The window over devices: the tree, its total weight and the noise
+        sums, in one all-reduce (``weight`` is the device's mean weight)."""
+        tree = self.devices.unslot(tree)
+        tree = jax.tree.map(_partial_sums.finish, tree)  # the deferred reduction
+        # A device (or window) whose weights sum to 0 holds a stale buffer.
+        tree = jax.tree.map(lambda a: jnp.where(weight.reshape([]) > 0, a, 0), tree)
+        share = weight.reshape([]) / self.devices.count()  # cannot overflow
+        tree, total, stats = self.devices.reduce(
+            tree, share, mean=self.reduction.is_mean, extras=stats
+        )
+        total = total * self.devices.count() * micro.astype(total.dtype)
+        return tree, total, stats
+
+
+def _check_grads(grads: Any, accumulator: Any, devices: Devices) -> None:
+    """The gradients must match the state: structure, shapes, shardings."""
+    tree = jax.tree.structure(accumulator)
+    if jax.tree.structure(grads) != tree:
+        raise ValueError(
+            "`grads` must have the tree structure of the parameters the "
+            f"state was initialised with: expected {tree}, got "
+            f"{jax.tree.structure(grads)}."
+        )
+    slot = devices.slot
+    for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(accumulator), strict=True):
+        if slot + jnp.shape(g) != jnp.shape(a):
+            raise ValueError(
+                "`grads` leaf shapes must match the state's accumulator: got "
+                f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]}."
+            )
+    _sharding.check_like(grads, accumulator, len(slot))
+
+
+def _window_gradient(g: Any) -> Any:
+    """What the boundary passes on for a leaf shaped like ``g``."""
+    return _partial_sums.finish(g) if not _dtypes.is_float0(g) else g
+
+
+def _hold_updates(shapes: Any, counter: jax.Array) -> Any:
+    """Zero updates with the boundary's shapes and dtypes."""
+    float0 = [s.dtype == jax.dtypes.float0 for s in jax.tree.leaves(shapes)]
+    if not any(float0):
+        return _compiler.distinct_zeros(shapes, counter)
+    leaves, treedef = jax.tree.flatten(shapes)
+    zeros = _compiler.distinct_zeros(
+        [s for s, f in zip(leaves, float0, strict=True) if not f], counter
+    )
+    it = iter(zeros)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            np.zeros(s.shape, jax.dtypes.float0) if f else next(it)
+            for s, f in zip(leaves, float0, strict=True)
+        ],
+    )
+
+
+def _like(tree: Any, like: Any) -> Any:
+    """``tree`` in ``like``'s dtypes: the reduced gradient in the gradients'
+    dtypes, the inner state in its own (PRNG keys and other extended dtypes
+    stay as they are; integer inputs' gradients stay float0)."""
+
+    def cast(x, y):
+        y_dtype = getattr(y, "dtype", None)
+        if y_dtype is None:
+            return x
+        if y_dtype == jax.dtypes.float0:
+            return np.zeros(np.shape(y), jax.dtypes.float0)
+        if x.dtype == y_dtype or jnp.issubdtype(y_dtype, jax.dtypes.extended):
+            return x
+        return x.astype(y_dtype)
+
+    return jax.tree.map(cast, tree, like)

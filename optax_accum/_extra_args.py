@@ -14,18 +14,21 @@ window's last micro-batch:
   what data it closes over, so passing one raises unless the caller opts in,
   vouching that it computes the whole window's loss.
 
-This module owns those rules, and the check that finds out at ``init`` whether
-the optimizer reads ``value`` at all (only then does the state get the slot).
+This module owns those rules, the check that finds out at ``init`` whether
+the optimizer reads ``value`` at all (only then does the state get the slot),
+and the split of the extra args into arrays (operands of the boundary's
+``lax.cond``) and the rest (closed over).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Literal
+
+from . import _checks
 
 
 def _used_inputs(jaxpr: Any) -> set:
@@ -64,27 +67,29 @@ def value_dtype(params: Any) -> Any:
     return dtype
 
 
-def check_value(value: Any) -> jax.Array:
-    """``value`` as a real scalar array, or an error naming it."""
-    if isinstance(value, str | bytes) or np.ndim(value) != 0:
-        raise ValueError(
-            "`value` (the loss passed to update) must be a scalar, got "
-            f"shape {np.shape(value)}: {value!r}."
-        )
-    try:
-        dtype = jnp.result_type(value)
-    except (TypeError, ValueError):
-        dtype = None
-    if dtype is None or not (
-        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
-    ):
-        raise TypeError(f"`value` must be a real number, got {value!r}.")
-    return jnp.asarray(value)
+class WindowArgs(NamedTuple):
+    """One call's extra args, read for the window.
+
+    Attributes:
+      value: the micro-batch's ``value``, when the window accumulates one.
+      pass_grad: whether ``inner`` gets ``grad=`` (the window's gradient).
+      dynamic: the other extra args that are array pytrees (cond operands).
+      static: the rest (Python values), closed over.
+    """
+
+    value: jax.Array | None
+    pass_grad: bool
+    dynamic: dict[str, Any]
+    static: dict[str, Any]
 
 
-def check_value_fn(extra_args: dict, allow: bool, owner: str) -> None:
-    """Raises for a ``value_fn`` unless the caller opted in with ``allow``."""
-    if "value_fn" in extra_args and not allow:
+def read(
+    extra_args: dict[str, Any], *, value_slot: bool, allow_value_fn: bool, owner: str
+) -> WindowArgs:
+    """Checks and splits one call's extra args; ``value_slot``: whether the
+    state accumulates ``value``."""
+    extra_args = dict(extra_args)
+    if "value_fn" in extra_args and not allow_value_fn:
         raise ValueError(
             f"`value_fn` was passed to {owner}'s update. A line search calls it "
             "at trial points; if it computes one micro-batch's loss, the search "
@@ -93,3 +98,33 @@ def check_value_fn(extra_args: dict, allow: bool, owner: str) -> None:
             f"the whole window (all micro-batches), build {owner} with "
             "`allow_value_fn=True`."
         )
+    value = None
+    if value_slot and "value" in extra_args:
+        value = extra_args.pop("value")
+        _checks.real_scalar(
+            value,
+            "value",
+            what="a real number (the loss passed to update)",
+            string_error=ValueError,
+        )
+        value = jnp.asarray(value)
+    pass_grad = extra_args.pop("grad", None) is not None
+    dynamic, static = {}, {}
+    for key, arg in extra_args.items():
+        leaves = jax.tree.leaves(arg)
+        if leaves and all(isinstance(x, jax.Array) for x in leaves):
+            dynamic[key] = arg
+        else:
+            static[key] = arg
+    return WindowArgs(value, pass_grad, dynamic, static)
+
+
+def for_inner(args: WindowArgs, dynamic: dict, grad: Any, value: Any) -> dict:
+    """The keyword arguments ``inner.update`` gets for the window: the
+    window's ``grad`` and ``value`` where the call passed them."""
+    kwargs = {**args.static, **dynamic}
+    if args.pass_grad:
+        kwargs["grad"] = grad
+    if args.value is not None:
+        kwargs["value"] = value.astype(args.value.dtype)
+    return kwargs

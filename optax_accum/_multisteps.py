@@ -12,6 +12,7 @@ empty and the next mini-step overwrites it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,13 +20,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._engine import _make_engine, _Window
-from ._extra_args import reads_value, value_dtype
-from ._mistakes import warn_if_clipped_before
+from . import _checks, _dtypes, _extra_args, _reduction, _schedules, _skip
+from . import _noise_scale as ns
+from ._clip_warning import warn_if_clipped_before
+from ._deprecations import renamed_arguments
+from ._devices import Devices
+from ._engine import Engine, Window
+from ._typing import AccumulatorDType, AxisName
 
 
 class MultiStepsState(NamedTuple):
-    """State of `MultiSteps`, field for field as ``optax.MultiStepsState``.
+    """State of `MultiSteps`: optax's ``MultiStepsState`` fields, then ours.
 
     Attributes:
       mini_step: accepted mini-steps in the current window.
@@ -34,9 +39,14 @@ class MultiStepsState(NamedTuple):
       acc_grads: the running mean (or sum) of the window's gradients; stale
         (not zeroed) when ``mini_step == 0``.
       skip_state: what ``should_skip_update_fn`` returned as its second output.
-      acc_value: ours only, after optax's fields: the window's running
-        ``value`` (the loss passed to ``update``) when the wrapped optimizer
-        reads it (``reduce_on_plateau``, line searches), else ``()``.
+      acc_value: ours, after optax's fields: the window's running ``value``
+        (the loss passed to ``update``) when the wrapped optimizer reads it
+        (``reduce_on_plateau``, line searches), else ``()``.
+      noise_scale: ours: a `NoiseScaleState` with ``noise_scale_decay``, else
+        ``()``.
+
+    Our fields default to ``()``, which adds no leaves: with their features
+    off, the state has exactly optax's leaves.
     """
 
     mini_step: jax.typing.ArrayLike
@@ -45,20 +55,7 @@ class MultiStepsState(NamedTuple):
     acc_grads: Any
     skip_state: Any = ()
     acc_value: Any = ()
-
-
-class MultiStepsNoiseState(NamedTuple):
-    """State of `MultiSteps` with ``noise_scale_decay``: `MultiStepsState`'s
-    fields and ``noise_scale``, a `NoiseScaleState`. A separate type, so that
-    without it the state stays field for field optax's."""
-
-    mini_step: jax.typing.ArrayLike
-    gradient_step: jax.typing.ArrayLike
-    inner_opt_state: Any
-    acc_grads: Any
-    skip_state: Any
-    acc_value: Any
-    noise_scale: Any
+    noise_scale: Any = ()
 
 
 class MultiSteps:
@@ -78,19 +75,27 @@ class MultiSteps:
       accumulator_dtype: dtype of the accumulator: ``"promote"`` (the
         default: at least float32, of the gradient's own kind), a floating or
         complex dtype, or ``None`` for the gradient's dtype.
-      defer_axes: as in `accumulate`: the mesh axes over which the gradients
+      data_axes: as in `accumulate`: the mesh axes over which the gradients
         arrive unreduced (from `defer_reduction`), reduced once per update.
       noise_scale_decay: ``None`` (off) or the EMA decay in (0, 1) of the
         gradient noise scale, read with `noise_scale` (see `accumulate`).
-        ``every_k_schedule`` may then be `adaptive_every_k`. The state is
-        then a `MultiStepsNoiseState`.
+        ``every_k_schedule`` may then be `adaptive_every_k`. The state's
+        ``noise_scale`` field then holds a `NoiseScaleState`.
       allow_value_fn: accept a ``value_fn`` extra argument (line searches),
         vouching that it computes the whole window's loss; see `accumulate`.
 
     Extra arguments of ``update`` mean what they mean for `accumulate`:
     ``value`` is averaged over the window (optax's ``MultiSteps`` passes the
-    last mini-step's), ``grad`` is the accumulated gradient, and ``value_fn``
-    needs ``allow_value_fn``.
+    last mini-step's), ``grad`` is the accumulated gradient, ``value_fn``
+    needs ``allow_value_fn`` (or ``every_k_schedule=1``), and
+    ``close_window`` (a boolean scalar) closes the window early. Every
+    mini-step weighs 1, as in optax: ``weight=`` raises a TypeError (use
+    `accumulate` for weighted micro-batches).
+
+    Raises:
+      TypeError: for an ``opt`` that is not an optimizer (e.g. the factory
+        ``optax.adam`` uncalled), and the errors of `accumulate` in this
+        class's argument names.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -103,54 +108,39 @@ class MultiSteps:
       (-2.0, True)
     """
 
+    @renamed_arguments({"defer_axes": "data_axes"}, name="MultiSteps")
     def __init__(
         self,
         opt: optax.GradientTransformation,
         every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., Any] | None = None,
-        accumulator_dtype: Any = "promote",
+        accumulator_dtype: AccumulatorDType = "promote",
         *,
         allow_value_fn: bool = False,
-        defer_axes: Any = None,
+        data_axes: AxisName | None = None,
         noise_scale_decay: float | None = None,
     ):
+        _checks.optimizer(opt, "opt")
         self._opt = optax.with_extra_args_support(opt)
-        self._noise = noise_scale_decay is not None
-        self._engine = _make_engine(
+        self._engine = _engine_for(
             self._opt,
             every_k_schedule,
-            "mean" if use_grad_mean else "sum",
-            accumulator_dtype,
+            use_grad_mean,
             should_skip_update_fn,
-            None,
-            names=("every_k_schedule", "should_skip_update_fn"),
-            defer_axes=defer_axes,
-            allow_value_fn=allow_value_fn,
-            owner="MultiSteps",
-            noise_scale_decay=noise_scale_decay,
+            accumulator_dtype,
+            allow_value_fn,
+            data_axes,
+            noise_scale_decay,
         )
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         return self._opt
 
-    def _state(self, window: _Window, skip_state: Any) -> Any:
-        fields = dict(
-            mini_step=window.micro_step,
-            gradient_step=window.update_step,
-            inner_opt_state=window.inner_state,
-            acc_grads=window.accumulator,
-            skip_state=skip_state,
-            acc_value=window.value,
-        )
-        if self._noise:
-            return MultiStepsNoiseState(**fields, noise_scale=window.noise)
-        return MultiStepsState(**fields)
-
     def init(self, params: optax.Params) -> MultiStepsState:
         window = self._engine.init_window(params)
-        return self._state(window, self._engine.init_skip_state(params))
+        return _state(window, self._engine.init_skip_state(params))
 
     def update(
         self,
@@ -160,29 +150,40 @@ class MultiSteps:
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
         warn_if_clipped_before("MultiSteps")
-        # Unit weights: the window's weight sum is its accepted mini-step count.
+        if "weight" in extra_args:
+            raise TypeError(
+                "`MultiSteps.update` takes no `weight`: like optax.MultiSteps, "
+                "every mini-step weighs 1. For weighted micro-batches (e.g. "
+                "token counts) use optax_accum.accumulate, whose update takes "
+                "`weight=`."
+            )
+        close_window = extra_args.pop("close_window", False)
+        window = self._window(state, params, extra_args)
+        out = self._engine.step(updates, window, params, None, close_window, extra_args)
+        return out.updates, _state(out.window, out.skip_state)
+
+    def _window(self, state: Any, params: Any, extra_args: dict) -> Window:
+        """Our state, or optax's (a checkpoint), as the engine's window."""
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
         value = getattr(state, "acc_value", ())
         # An optax state has no value slot: the window's value starts here.
         if (
-            not isinstance(state, MultiStepsState | MultiStepsNoiseState)
+            not isinstance(state, MultiStepsState)
             and "value" in extra_args
-            and reads_value(self._opt, params, state.inner_opt_state)
+            and _extra_args.reads_value(self._opt, params, state.inner_opt_state)
         ):
-            value = jnp.asarray(extra_args["value"], value_dtype(params))
-        window = _Window(
+            value = jnp.asarray(extra_args["value"], _extra_args.value_dtype(params))
+        # Unit weights: the window's mean weight is 1 once it holds one.
+        weight_dtype = _dtypes.weight_dtype(state.acc_grads)
+        return Window(
             micro_step=mini_step,
             update_step=jnp.asarray(state.gradient_step, jnp.int32),
             accumulator=state.acc_grads,
-            weight_sum=mini_step.astype(jnp.float32),
+            weight=(mini_step > 0).astype(weight_dtype),
             inner_state=state.inner_opt_state,
             value=value,
-            noise=state.noise_scale if self._noise else (),
+            noise=getattr(state, "noise_scale", ()),
         )
-        new_updates, window, _, _, skip_state = self._engine.step(
-            updates, window, params, None, False, extra_args
-        )
-        return new_updates, self._state(window, skip_state)
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
         """True when ``state`` comes right after an update (optax's definition).
@@ -196,3 +197,43 @@ class MultiSteps:
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+
+
+def _state(window: Window, skip_state: Any) -> MultiStepsState:
+    return MultiStepsState(
+        mini_step=window.micro_step,
+        gradient_step=window.update_step,
+        inner_opt_state=window.inner_state,
+        acc_grads=window.accumulator,
+        skip_state=skip_state,
+        acc_value=window.value,
+        noise_scale=window.noise,
+    )
+
+
+def _engine_for(
+    opt, every_k_schedule, use_grad_mean, should_skip_update_fn,
+    accumulator_dtype, allow_value_fn, data_axes, noise_scale_decay,
+) -> Engine:  # fmt: skip
+    """`MultiSteps`' options, checked in its (optax's) names, as an engine."""
+    _schedules.check(every_k_schedule, "every_k_schedule")
+    reduction = "mean" if use_grad_mean else "sum"
+    _skip.check(should_skip_update_fn, "should_skip_update_fn")
+    data_axes = _checks.axis_names(data_axes, "data_axes") or ()
+    adaptive = isinstance(every_k_schedule, _schedules.AdaptiveEveryK)
+    decay = ns.check_options(noise_scale_decay, adaptive, reduction, "every_k_schedule")
+    allow = bool(allow_value_fn) or _schedules.is_static_one(every_k_schedule)
+    return Engine(
+        inner=opt,
+        k_of=_schedules.k_of(every_k_schedule, "every_k_schedule"),
+        adaptive=every_k_schedule if adaptive else None,
+        reduction=_reduction.get(reduction),
+        accumulator_dtype=_dtypes.canonical(accumulator_dtype),
+        skip=_skip.decider(should_skip_update_fn, "should_skip_update_fn"),
+        devices=Devices(None),
+        data_axes=data_axes,
+        extra_args=functools.partial(
+            _extra_args.read, allow_value_fn=allow, owner="MultiSteps"
+        ),
+        noise_scale_decay=decay,
+    )

@@ -5,11 +5,12 @@
 This module owns the estimator of McCandlish et al. 2018 ("An Empirical Model
 of Large-Batch Training", arXiv 1812.06162, Appendix A): arithmetic on the
 squared norms of the window's micro-batch gradients and of their mean, the
-bias-corrected EMAs, the `noise_scale` reader, and the `adaptive_every_k`
-schedule that picks the next window's k from the estimate. The engine in
-`_engine` only calls it: `observe` once per micro-step (one fused
-reduction of the gradient it already reads), `boundary_stats` in the boundary
-branch, `close` on the scalars afterwards.
+bias-corrected EMAs and the pick of the next window's k for
+`adaptive_every_k` (`_schedules`). The engine in `_engine` only calls it:
+`observe` once per micro-step (one reduction of the gradient it already
+reads), `boundary_stats` in the boundary branch, `close` on the scalars
+afterwards; `microbatch` keeps `window_sums` in its own loop carry. The
+reader, `noise_scale`, is in `_states`.
 
 Units. Micro-batch ``i`` has weight ``w_i`` (1 unless the caller passes
 ``weight``) and gradient ``g_i``, the mean gradient of ``w_i`` units (examples
@@ -25,15 +26,15 @@ are unbiased for ``|G|^2 + tr(Sigma) / B``, for any unequal weights.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._validation import check_positive_int
+if TYPE_CHECKING:
+    from ._schedules import AdaptiveEveryK
 
 
 class NoiseScaleState(NamedTuple):
@@ -111,94 +112,20 @@ def check_decay(decay: Any) -> float | None:
     return float(decay)
 
 
-@dataclasses.dataclass(frozen=True)
-class AdaptiveEveryK:
-    """An ``every_k`` that the engine feeds with the noise scale; see
-    `adaptive_every_k`."""
-
-    k_min: int
-    k_max: int
-    init_k: int
-    never_decrease: bool
-
-    def next_k(self, b_simple: jax.Array, step_batch: jax.Array, k: jax.Array):
-        """``clip(ceil(b_simple / step_batch), k_min, k_max)``, NaN-safe."""
-        want = jnp.ceil(b_simple / step_batch)
-        want = jnp.where(jnp.isnan(want), k.astype(jnp.float32), want)
-        new = jnp.clip(want, self.k_min, self.k_max).astype(jnp.int32)
-        return jnp.maximum(new, k) if self.never_decrease else new
-
-
-def adaptive_every_k(
-    k_min: int,
-    k_max: int,
-    *,
-    init_k: int | None = None,
-    never_decrease: bool = False,
-) -> AdaptiveEveryK:
-    r"""An ``every_k`` that sizes each window from the measured noise scale.
-
-    After each window, the next one gets
-
-    .. math::
-
-        k = \mathrm{clip}\left(\left\lceil \frac{B_\text{simple}}{b N}
-            \right\rceil, k_\min, k_\max\right),
-
-    with ``b`` the micro-batch size (the measured ``B_small``, in the same
-    units as ``B_simple``: examples, or tokens with token weighting) and ``N``
-    the devices under ``axis_name``: the effective batch ``k b N`` follows the
-    critical batch size. The EMA of `accumulate`'s ``noise_scale_decay`` is the
-    smoothing; ``never_decrease`` also keeps k from going down. k is traced
-    and stored in the state (``NoiseScaleState.k``), so nothing recompiles
-    and a checkpoint resumes the schedule. Pass it as ``every_k`` to
-    `accumulate` (or ``every_k_schedule`` to `MultiSteps`) together with
-    ``noise_scale_decay``.
-
-    Args:
-      k_min: smallest k, an int >= 1.
-      k_max: largest k, an int >= ``k_min``.
-      init_k: k of the windows before the first estimate; ``k_min`` by
-        default. It must be >= 2 for a single device to measure anything.
-      never_decrease: if true, k never goes down.
-
-    Returns:
-      An `AdaptiveEveryK` to pass as ``every_k``.
-
-    Raises:
-      TypeError: for non-integer ``k_min``, ``k_max`` or ``init_k``.
-      ValueError: for values below 1, ``k_min > k_max``, or ``init_k``
-        outside ``[k_min, k_max]``.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optax_accum
-      >>> every_k = optax_accum.adaptive_every_k(2, 16)
-      >>> tx = optax_accum.accumulate(
-      ...     optax.sgd(0.1), every_k, noise_scale_decay=0.9)
-      >>> state = tx.init({"w": jnp.zeros(3)})
-      >>> int(optax_accum.noise_scale(state).k)
-      2
-    """
-    k_min = check_positive_int(k_min, "k_min")
-    k_max = check_positive_int(k_max, "k_max")
-    if k_min > k_max:
+def check_options(
+    decay: Any, adaptive: bool, reduction: str, k_name: str, data_axes: Any = ()
+) -> float | None:
+    """``noise_scale_decay`` checked with the options it depends on."""
+    decay = check_decay(decay)
+    if decay is not None and data_axes:
         raise ValueError(
-            f"`k_min` must be <= `k_max`, got k_min={k_min}, k_max={k_max}."
+            "`noise_scale_decay` needs each device's micro-batch gradients, which "
+            "`data_axes` leaves as unreduced partial sums: use one or the other "
+            f"(got data_axes={data_axes!r})."
         )
-    init_k = k_min if init_k is None else check_positive_int(init_k, "init_k")
-    if not k_min <= init_k <= k_max:
+    if adaptive and decay is None:
         raise ValueError(
-            f"`init_k` must be in [k_min, k_max] = [{k_min}, {k_max}], got {init_k}."
-        )
-    return AdaptiveEveryK(k_min, k_max, init_k, bool(never_decrease))
-
-
-def check_engine_args(
-    decay: float | None, schedule: AdaptiveEveryK | None, reduction: str, k_arg: str
-) -> None:
-    if schedule is not None and decay is None:
-        raise ValueError(
-            f"`{k_arg}`=adaptive_every_k(...) reads the noise scale: pass "
+            f"`{k_name}`=adaptive_every_k(...) reads the noise scale: pass "
             "`noise_scale_decay` too (e.g. 0.9)."
         )
     if decay is not None and reduction != "mean":
@@ -206,6 +133,7 @@ def check_engine_args(
             "`noise_scale_decay` needs mean gradients (reduction='mean', or "
             f"use_grad_mean=True), got reduction={reduction!r}."
         )
+    return decay
 
 
 def init(slot: tuple[int, ...], schedule: AdaptiveEveryK | None) -> NoiseScaleState:
@@ -247,6 +175,7 @@ def observe(
 ) -> NoiseScaleState:
     """Adds one micro-batch (weight ``w``, 0 if rejected) to the window."""
     sq = squared_norm(grads)
+    w = w.astype(jnp.float32)
     keep = w > 0
     # jnp.where, not w * sq: a rejected micro-batch may be NaN.
     add_sq = jnp.where(keep, w * sq, 0.0).reshape(state.sq_sum.shape)
@@ -270,14 +199,15 @@ def boundary_stats(reduced_grads: Any, totals: tuple) -> tuple:
     return sq_sum, count, weight, squared_norm(reduced_grads)
 
 
-def window_sums(grads: Any, w: jax.Array, sums: tuple | None = None) -> tuple:
-    """Adds a micro-batch to `microbatch`'s ``(sum w |g|^2, n, sum w, 0)``."""
-    if sums is None:
-        sums = zero_stats()
-    sq, n, total, big = sums
+def window_sums(sums: tuple, sq: jax.Array, w: jax.Array) -> tuple:
+    """Adds a micro-batch of squared norm ``sq`` and weight ``w`` to
+    `microbatch`'s ``(sum w |g|^2, n, sum w)``."""
+    total_sq, n, total = sums
+    w = w.astype(jnp.float32)
     keep = w > 0
-    sq = sq + jnp.where(keep, w * squared_norm(grads), 0.0)
-    return sq, n + keep.astype(jnp.float32), total + w, big
+    # jnp.where, not w * sq: a rejected micro-batch may be NaN.
+    total_sq = total_sq + jnp.where(keep, w * sq, 0.0)
+    return total_sq, n + keep.astype(jnp.float32), total + w
 
 
 def zero_stats() -> tuple:
@@ -313,7 +243,7 @@ def close(
         last_trace=jnp.where(valid, trace, state.last_trace),
     )
     if schedule is not None:
-        k = schedule.next_k(_b_simple(new), new.b_small * num_devices, state.k)
+        k = schedule.next_k(b_simple(new), new.b_small * num_devices, state.k)
         new = new._replace(k=jnp.where(emit & (new.windows > 0), k, state.k))
     return new
 
@@ -326,7 +256,7 @@ def state_specs(state: Any, sharded: Any, replicated: Any) -> Any:
     return specs._replace(sq_sum=sharded, count=sharded)
 
 
-def _b_simple(state: NoiseScaleState) -> jax.Array:
+def b_simple(state: NoiseScaleState) -> jax.Array:
     g, t = state.grad_sq_ema, state.trace_ema
     # |G|^2 <= 0 (a noisy early estimate): the noise dominates, B is unbounded.
     ratio = jnp.where(g > 0, t / jnp.where(g > 0, g, 1.0), jnp.inf)
@@ -334,76 +264,5 @@ def _b_simple(state: NoiseScaleState) -> jax.Array:
     return jnp.where(state.windows > 0, ratio, jnp.nan)
 
 
-def _debiased(ema: jax.Array, state: NoiseScaleState) -> jax.Array:
+def debiased(ema: jax.Array, state: NoiseScaleState) -> jax.Array:
     return jnp.where(state.windows > 0, ema / state.ema_norm, jnp.nan)
-
-
-def _value(x: Any) -> jax.Array:
-    # flax nnx wraps optimizer-state arrays in Variables.
-    return jnp.asarray(x.get_value() if hasattr(x, "get_value") else x)
-
-
-def noise_scale(state: Any, micro_batch_size: int | None = None) -> NoiseScale:
-    r"""Reads the gradient noise scale from an optimizer state.
-
-    .. math::
-
-        B_\text{simple} = \frac{\mathrm{EMA}(S)}{\mathrm{EMA}(|G|^2)},\quad
-        |G|^2 \approx \frac{B_\text{big} |G_\text{big}|^2
-            - B_\text{small} |G_\text{small}|^2}{B_\text{big} - B_\text{small}},
-        \quad S \approx \frac{|G_\text{small}|^2 - |G_\text{big}|^2}
-            {1/B_\text{small} - 1/B_\text{big}}.
-
-    Batch sizes count units of ``weight``: micro-batches when no weight is
-    passed (each weighs 1), tokens with token weighting. Pass
-    ``micro_batch_size`` (examples per micro-batch, per device) to count
-    examples instead: ``b_simple``, ``trace_sigma``, ``b_small`` and ``b_big``
-    are then multiplied by it.
-
-    Args:
-      state: the state of `accumulate` or `MultiSteps` built with
-        ``noise_scale_decay``, or any state that holds exactly one (an
-        ``optax.chain`` tuple, an ``nnx.Optimizer``'s ``opt_state``).
-      micro_batch_size: optional examples per unit of weight, an int >= 1.
-
-    Returns:
-      A `NoiseScale`.
-
-    Raises:
-      ValueError: if ``state`` holds no noise-scale state, or several, or for
-        ``micro_batch_size`` < 1.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optax_accum
-      >>> tx = optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.5)
-      >>> params = {"w": jnp.zeros(2)}
-      >>> state = tx.init(params)
-      >>> for g in ([1.0, 1.0], [3.0, 1.0]):
-      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
-      >>> ns = optax_accum.noise_scale(state, micro_batch_size=8)
-      >>> float(ns.grad_sq), float(ns.trace_sigma), float(ns.b_simple)
-      (4.0, 16.0, 4.0)
-    """
-    scale = (
-        1
-        if micro_batch_size is None
-        else check_positive_int(micro_batch_size, "micro_batch_size")
-    )
-    is_ns = lambda x: isinstance(x, NoiseScaleState)
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_ns) if is_ns(x)]
-    if len(found) != 1:
-        raise ValueError(
-            "`state` must hold exactly one NoiseScaleState (build the optimizer "
-            f"with `noise_scale_decay`), found {len(found)} in "
-            f"{type(state).__name__}."
-        )
-    s = NoiseScaleState(*(_value(x) for x in found[0]))
-    return NoiseScale(
-        b_simple=_b_simple(s) * scale,
-        trace_sigma=_debiased(s.trace_ema, s) * scale,
-        grad_sq=_debiased(s.grad_sq_ema, s),
-        windows=s.windows,
-        b_small=s.b_small * scale,
-        b_big=s.b_big * scale,
-        k=s.k,
-    )

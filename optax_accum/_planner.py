@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""`plan_micro_batch`: the largest micro-batch that fits a memory budget.
+"""`plan_microbatch`: the largest micro-batch that fits a memory budget.
 
 Everything here is ahead-of-time: the step is lowered and compiled for
 abstract shapes (``jax.ShapeDtypeStruct``) and XLA's memory analysis is read;
@@ -17,33 +17,49 @@ import jax
 import numpy as np
 import optax
 
-from ._validation import check_positive_int
+from . import _checks
+from ._deprecations import renamed_arguments, warn
 
 
-class MicroBatchPlan(NamedTuple):
-    """What `plan_micro_batch` chose.
+class MicrobatchPlan(NamedTuple):
+    """What `plan_microbatch` chose.
 
     Attributes:
-      micro_batch_size: examples per micro-batch (per call of the step).
-      num_micro_batches: ``k``, micro-batches per update.
-      effective_batch_size: ``micro_batch_size * num_micro_batches``.
-      memory_bytes: estimated peak memory of the step at ``micro_batch_size``.
+      microbatch_size: examples per micro-batch (per call of the step).
+      num_microbatches: ``k``, micro-batches per update.
+      effective_batch_size: ``microbatch_size * num_microbatches``.
+      memory_bytes: estimated peak memory of the step at ``microbatch_size``.
       memory_budget: the budget it was planned against, in bytes.
-      next_micro_batch_size: the next candidate size up, or None if the
+      next_microbatch_size: the next candidate size up, or None if the
         chosen size is the largest candidate.
-      next_memory_bytes: the estimate for ``next_micro_batch_size`` (over the
+      next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
         budget), or None.
       num_compilations: how many sizes were compiled.
     """
 
-    micro_batch_size: int
-    num_micro_batches: int
+    microbatch_size: int
+    num_microbatches: int
     effective_batch_size: int
     memory_bytes: int
     memory_budget: int
-    next_micro_batch_size: int | None
+    next_microbatch_size: int | None
     next_memory_bytes: int | None
     num_compilations: int
+
+    @property
+    def micro_batch_size(self) -> int:
+        warn("`MicrobatchPlan.micro_batch_size`", "`microbatch_size`")
+        return self.microbatch_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        warn("`MicrobatchPlan.num_micro_batches`", "`num_microbatches`")
+        return self.num_microbatches
+
+    @property
+    def next_micro_batch_size(self) -> int | None:
+        warn("`MicrobatchPlan.next_micro_batch_size`", "`next_microbatch_size`")
+        return self.next_microbatch_size
 
 
 def compiled_memory_bytes(compiled: Any) -> int:
@@ -102,7 +118,8 @@ def _candidates(
     return list(sizes)
 
 
-def plan_micro_batch(
+@renamed_arguments({"max_micro_batch_size": "max_microbatch_size"})
+def plan_microbatch(
     step: Callable[..., Any],
     params: optax.Params,
     opt_state: optax.OptState | None,
@@ -110,11 +127,11 @@ def plan_micro_batch(
     target_batch_size: int,
     *,
     memory_budget: int | None = None,
-    max_micro_batch_size: int | None = None,
+    max_microbatch_size: int | None = None,
     multiple_of: int = 1,
     divisors_only: bool = True,
     device: Any = None,
-) -> MicroBatchPlan:
+) -> MicrobatchPlan:
     """Finds the largest micro-batch size whose compiled step fits in memory.
 
     ``step`` is what runs once per micro-batch: a train step
@@ -151,7 +168,7 @@ def plan_micro_batch(
       memory_budget: bytes the step may use. Default: the device's free
         memory, ``bytes_limit - bytes_in_use`` from ``device.memory_stats()``
         (GPU, TPU). Required on the CPU, which reports none.
-      max_micro_batch_size: largest size to consider, default the target.
+      max_microbatch_size: largest size to consider, default the target.
       multiple_of: candidates are multiples of this, e.g. the number of
         data-parallel devices.
       divisors_only: only consider sizes that divide the target.
@@ -159,7 +176,7 @@ def plan_micro_batch(
         ``jax.devices()[0]``.
 
     Returns:
-      A `MicroBatchPlan`.
+      A `MicrobatchPlan`.
 
     Raises:
       ValueError: if no budget is given and the device reports none, if no
@@ -171,28 +188,28 @@ def plan_micro_batch(
       >>> def loss(w, x):
       ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
       >>> w = jnp.zeros((64, 256))
-      >>> plan = optax_accum.plan_micro_batch(
+      >>> plan = optax_accum.plan_microbatch(
       ...     jax.value_and_grad(loss), w, None, jnp.zeros(64),
       ...     target_batch_size=1024, memory_budget=600_000)
-      >>> plan.micro_batch_size * plan.num_micro_batches
+      >>> plan.microbatch_size * plan.num_microbatches
       1024
       >>> plan.memory_bytes <= 600_000 < plan.next_memory_bytes
       True
     """
-    target = check_positive_int(target_batch_size, "target_batch_size")
-    multiple_of = check_positive_int(multiple_of, "multiple_of")
+    target = _checks.positive_int(target_batch_size, "target_batch_size")
+    multiple_of = _checks.positive_int(multiple_of, "multiple_of")
     max_size = target
-    if max_micro_batch_size is not None:
-        max_size = check_positive_int(max_micro_batch_size, "max_micro_batch_size")
+    if max_microbatch_size is not None:
+        max_size = _checks.positive_int(max_microbatch_size, "max_microbatch_size")
     if memory_budget is None:
         budget = _default_budget(device if device is not None else jax.devices()[0])
     else:
-        budget = check_positive_int(memory_budget, "memory_budget")
+        budget = _checks.positive_int(memory_budget, "memory_budget")
     sizes = _candidates(target, max_size, multiple_of, divisors_only)
     if not sizes:
         raise ValueError(
             f"No micro-batch size is a multiple of `multiple_of`={multiple_of}, "
-            f"at most `max_micro_batch_size`={max_size}"
+            f"at most `max_microbatch_size`={max_size}"
             + (
                 f" and a divisor of `target_batch_size`={target}"
                 if divisors_only
@@ -200,68 +217,81 @@ def plan_micro_batch(
             )
             + "."
         )
-
-    lowerable = step if hasattr(step, "lower") else jax.jit(step)
-    # Arrays keep their sharding, so a sharded state is planned per device.
-    abstract = jax.tree.map(
-        lambda x: (
-            x
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else jax.ShapeDtypeStruct(
-                np.shape(x),
-                jax.dtypes.result_type(x),
-                sharding=getattr(x, "sharding", None),
-            )
-        ),
-        (params, opt_state),
+    estimate = _Estimates(step, params, opt_state, example)
+    lo = _largest_fitting(sizes, estimate, budget)
+    m = sizes[lo]
+    k = math.ceil(target / m)
+    next_m = sizes[lo + 1] if lo + 1 < len(sizes) else None
+    return MicrobatchPlan(
+        microbatch_size=m,
+        num_microbatches=k,
+        effective_batch_size=k * m,
+        memory_bytes=estimate(m),
+        memory_budget=budget,
+        next_microbatch_size=next_m,
+        next_memory_bytes=None if next_m is None else estimate(next_m),
+        num_compilations=len(estimate.memory),
     )
-    memory: dict[int, int] = {}
 
-    def measure(index: int) -> int:
-        m = sizes[index]
-        if m not in memory:
+
+class _Estimates:
+    """The compiled step's memory at each micro-batch size, compiled once."""
+
+    def __init__(self, step, params, opt_state, example):
+        self.lowerable = step if hasattr(step, "lower") else jax.jit(step)
+        # Arrays keep their sharding, so a sharded state is planned per device.
+        self.abstract = jax.tree.map(
+            lambda x: (
+                x
+                if isinstance(x, jax.ShapeDtypeStruct)
+                else jax.ShapeDtypeStruct(
+                    np.shape(x),
+                    jax.dtypes.result_type(x),
+                    sharding=getattr(x, "sharding", None),
+                )
+            ),
+            (params, opt_state),
+        )
+        self.with_state = opt_state is not None
+        self.example = example
+        self.memory: dict[int, int] = {}
+
+    def __call__(self, m: int) -> int:
+        if m not in self.memory:
             batch = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(
                     (m, *np.shape(x)), jax.dtypes.result_type(x)
                 ),
-                example,
+                self.example,
             )
-            args = (abstract[0], batch) if opt_state is None else (*abstract, batch)
-            memory[m] = compiled_memory_bytes(lowerable.lower(*args).compile())
-        return memory[m]
+            params, opt_state = self.abstract
+            args = (params, opt_state, batch) if self.with_state else (params, batch)
+            compiled = self.lowerable.lower(*args).compile()
+            self.memory[m] = compiled_memory_bytes(compiled)
+        return self.memory[m]
 
+
+def _largest_fitting(sizes: list[int], estimate: _Estimates, budget: int) -> int:
+    """The index of a size that fits ``budget`` whose next one does not."""
     # Invariant: sizes[lo] fits and sizes[hi] does not.
     hi = len(sizes) - 1
-    if measure(hi) <= budget:
-        lo = hi
-    else:
-        # XLA may switch to a matrix-vector product at the smallest size,
-        # which can need more memory than the next one, so try two.
-        lo = 0
-        if measure(lo) > budget and hi > 1:
-            lo = 1
-        if measure(lo) > budget:
-            tried = ", ".join(f"{m}: {memory[m]:,} bytes" for m in sizes[: lo + 1])
-            raise ValueError(
-                f"Even the smallest micro-batch sizes do not fit `memory_budget`="
-                f"{budget:,} bytes (estimates {tried})."
-            )
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if measure(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
-    m = sizes[lo]
-    k = math.ceil(target / m)
-    next_m = sizes[lo + 1] if lo + 1 < len(sizes) else None
-    return MicroBatchPlan(
-        micro_batch_size=m,
-        num_micro_batches=k,
-        effective_batch_size=k * m,
-        memory_bytes=memory[m],
-        memory_budget=budget,
-        next_micro_batch_size=next_m,
-        next_memory_bytes=None if next_m is None else memory[next_m],
-        num_compilations=len(memory),
-    )
+    if estimate(sizes[hi]) <= budget:
+        return hi
+    # XLA may switch to a matrix-vector product at the smallest size, which
+    # can need more memory than the next one, so try two.
+    lo = 0
+    if estimate(sizes[lo]) > budget and hi > 1:
+        lo = 1
+    if estimate(sizes[lo]) > budget:
+        tried = ", ".join(f"{m}: {estimate(m):,} bytes" for m in sizes[: lo + 1])
+        raise ValueError(
+            f"Even the smallest micro-batch sizes do not fit `memory_budget`="
+            f"{budget:,} bytes (estimates {tried})."
+        )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if estimate(sizes[mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo

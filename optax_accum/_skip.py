@@ -1,19 +1,83 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Ready-made ``skip_fn`` callables for `accumulate` and `MultiSteps`.
+"""Skipping micro-batches: the `SkipFn` protocol, its checks, ready-made ones.
 
 They follow optax's ``ShouldSkipUpdateFunction`` convention: called as
-``fn(grads, step, params)``, they return ``(should_skip, skip_state)``.
+``fn(grads, step, params)``, a skip function returns ``should_skip`` or
+``(should_skip, skip_state)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+
+class SkipFn(Protocol):
+    """Decides whether a micro-batch's gradients are rejected.
+
+    Called as ``skip_fn(grads, update_step, params)``. Returns a boolean scalar
+    (``True`` rejects the micro-batch), or an optax-style tuple
+    ``(should_skip, skip_state)`` whose second element is stored in the state.
+    """
+
+    def __call__(
+        self, grads: optax.Updates, update_step: jax.Array, params: optax.Params | None
+    ) -> jax.Array | tuple[jax.Array, Any]: ...
+
+
+def check(skip_fn: Any, name: str) -> None:
+    """Rejects a non-callable, or a skip-function factory passed uncalled."""
+    if skip_fn is None:
+        return
+    if skip_fn is skip_large_updates:
+        raise TypeError(
+            f"`{name}` is the factory `skip_large_updates`, not a skip function: "
+            "call it: skip_large_updates(max_norm)."
+        )
+    if not callable(skip_fn):
+        raise TypeError(f"`{name}` must be callable or None, got {skip_fn!r}.")
+    try:
+        inspect.signature(skip_fn).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must take (grads, step, params), got {skip_fn!r} with "
+            f"signature {inspect.signature(skip_fn)}."
+        ) from None
+    except ValueError:  # no signature (a builtin): trust it
+        pass
+
+
+def decider(skip_fn: SkipFn | None, name: str) -> Any:
+    """``skip_fn`` with its result checked (in the caller's ``name`` for it)
+    and normalised to ``(should_skip, skip_state)``; None stays None."""
+    if skip_fn is None:
+        return None
+
+    def decide(grads: Any, update_step: jax.Array, params: Any):
+        return decision(skip_fn(grads, update_step, params), name)
+
+    return decide
+
+
+def decision(result: Any, name: str) -> tuple[jax.Array, Any]:
+    """Accepts ``flag`` or optax's ``(flag, skip_state)``; checks ``flag``."""
+    if isinstance(result, tuple) and len(result) == 2:
+        flag, skip_state = result
+    else:
+        flag, skip_state = result, ()
+    dtype = getattr(flag, "dtype", None)
+    if dtype is None or dtype != jnp.bool_ or np.ndim(flag) != 0:
+        raise TypeError(
+            f"`{name}` must return a boolean scalar (or a tuple of one and a "
+            f"pytree), got {flag!r}."
+        )
+    return jnp.asarray(flag), skip_state
 
 
 def skip_not_finite(

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Reading states from outside: `has_updated` and `find_state`.
+"""Reading states from outside: `find_state`, `has_updated`, `noise_scale`.
 
 A state of ours usually sits inside something else: ``optax.chain``'s tuple,
 ``nnx.Optimizer.opt_state`` (whose arrays Flax wraps in variables), a
@@ -15,8 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _checks
 from ._accumulate import AccumulateState
+from ._deprecations import renamed_arguments
 from ._multisteps import MultiStepsState
+from ._noise_scale import NoiseScale, NoiseScaleState, b_simple, debiased
 
 
 def find_state(state: Any, state_type: type | tuple[type, ...]) -> Any:
@@ -100,3 +103,73 @@ def has_updated(state: Any) -> jax.Array:
     # optax's definition: right after an update the window is empty.
     mini_step, gradient_step = map(jnp.asarray, (found.mini_step, found.gradient_step))
     return jnp.logical_and(mini_step == 0, gradient_step > 0)
+
+
+def _value(x: Any) -> jax.Array:
+    # flax nnx wraps optimizer-state arrays in Variables.
+    return jnp.asarray(x.get_value() if hasattr(x, "get_value") else x)
+
+
+@renamed_arguments({"micro_batch_size": "microbatch_size"})
+def noise_scale(state: Any, microbatch_size: int | None = None) -> NoiseScale:
+    r"""Reads the gradient noise scale from an optimizer state.
+
+    .. math::
+
+        B_\text{simple} = \frac{\mathrm{EMA}(S)}{\mathrm{EMA}(|G|^2)},\quad
+        |G|^2 \approx \frac{B_\text{big} |G_\text{big}|^2
+            - B_\text{small} |G_\text{small}|^2}{B_\text{big} - B_\text{small}},
+        \quad S \approx \frac{|G_\text{small}|^2 - |G_\text{big}|^2}
+            {1/B_\text{small} - 1/B_\text{big}}.
+
+    Batch sizes count units of ``weight``: micro-batches when no weight is
+    passed (each weighs 1), tokens with token weighting. Pass
+    ``microbatch_size`` (examples per micro-batch, per device) to count
+    examples instead: ``b_simple``, ``trace_sigma``, ``b_small`` and ``b_big``
+    are then multiplied by it.
+
+    Args:
+      state: the state of `accumulate` or `MultiSteps` built with
+        ``noise_scale_decay``, or any state that holds exactly one (an
+        ``optax.chain`` tuple, an ``nnx.Optimizer``'s ``opt_state``).
+      microbatch_size: optional examples per unit of weight, an int >= 1.
+
+    Returns:
+      A `NoiseScale`.
+
+    Raises:
+      ValueError: if ``state`` holds no noise-scale state, or several, or for
+        ``microbatch_size`` < 1.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> tx = optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.5)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for g in ([1.0, 1.0], [3.0, 1.0]):
+      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
+      >>> ns = optax_accum.noise_scale(state, microbatch_size=8)
+      >>> float(ns.grad_sq), float(ns.trace_sigma), float(ns.b_simple)
+      (4.0, 16.0, 4.0)
+    """
+    scale = (
+        1
+        if microbatch_size is None
+        else _checks.positive_int(microbatch_size, "microbatch_size")
+    )
+    try:
+        found = find_state(state, NoiseScaleState)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} Build the optimizer with `noise_scale_decay` to measure it."
+        ) from None
+    s = NoiseScaleState(*(_value(x) for x in found))
+    return NoiseScale(
+        b_simple=b_simple(s) * scale,
+        trace_sigma=debiased(s.trace_ema, s) * scale,
+        grad_sq=debiased(s.grad_sq_ema, s),
+        windows=s.windows,
+        b_small=s.b_small * scale,
+        b_big=s.b_big * scale,
+        k=s.k,
+    )

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Multi-process helpers: bounded-time failure settings and a local launcher.
+"""``optax_accum.distributed``: start a multi-process JAX job that fails fast.
 
+Not imported by ``import optax_accum``: ``import optax_accum.distributed``.
 This module owns `initialize_distributed`, which starts `jax.distributed` so
 that a dead or stuck peer makes every other process fail within a bounded
 time instead of hanging, and `launch_local`, which runs N copies of a script
@@ -22,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+
+__all__ = ["LocalRun", "initialize_distributed", "launch_local"]
 
 # What `launch_local` tells each process; `initialize_distributed` reads them.
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # also read by jax itself
@@ -93,8 +96,8 @@ def initialize_distributed(
       At the top of a training script, before any JAX array exists (not run
       here: it starts the distributed runtime):
 
-      >>> import optax_accum
-      >>> optax_accum.initialize_distributed(failure_timeout_s=60)  # doctest: +SKIP
+      >>> from optax_accum.distributed import initialize_distributed
+      >>> initialize_distributed(failure_timeout_s=60)  # doctest: +SKIP
     """
     from jax._src import xla_bridge
 
@@ -200,9 +203,10 @@ def launch_local(
       ValueError: for ``num_processes`` < 1 or an empty ``argv``.
 
     Examples:
-      >>> import sys, optax_accum
+      >>> import sys
+      >>> from optax_accum.distributed import launch_local
       >>> code = "import os; print(os.environ['OPTAX_ACCUM_PROCESS_ID'])"
-      >>> run = optax_accum.launch_local([sys.executable, "-c", code], 2, echo=False)
+      >>> run = launch_local([sys.executable, "-c", code], 2, echo=False)
       >>> run.ok, [out.strip() for out in run.outputs]
       (True, ['0', '1'])
     """
@@ -210,79 +214,104 @@ def launch_local(
         raise ValueError(f"`num_processes` must be >= 1, got {num_processes!r}.")
     if not argv:
         raise ValueError("`argv` must name a command.")
-    address = f"127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    procs: list[subprocess.Popen] = []
-    outputs: list[list[str]] = [[] for _ in range(num_processes)]
-    lock = threading.Lock()
+    job = _Job(num_processes, echo)
+    try:
+        for i in range(num_processes):
+            job.spawn(
+                argv, i, _child_env(env, i, num_processes, cpu_devices_per_process)
+            )
+        job.wait(timeout_s, grace_s)
+    finally:
+        job.kill_the_rest()
+    return LocalRun(
+        returncodes=[p.returncode for p in job.procs],
+        outputs=["".join(o) for o in job.outputs],
+        exit_times=[float(t) for t in job.exit_times],
+        killed=job.killed,
+    )
 
-    def pump(i: int, stream: Any) -> None:
+
+def _child_env(
+    env: Mapping[str, str] | None, i: int, n: int, cpu_devices: int | None
+) -> dict[str, str]:
+    """Process ``i``'s environment: ours, ``env``, and its place in the job."""
+    child = dict(os.environ)
+    child.update(env or {})
+    child.update(
+        {
+            ENV_NUM_PROCESSES: str(n),
+            ENV_PROCESS_ID: str(i),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if cpu_devices is not None:
+        child[ENV_CPU_DEVICES] = str(cpu_devices)
+    return child
+
+
+class _Job:
+    """The processes of one `launch_local` call, their output and exits."""
+
+    def __init__(self, n: int, echo: bool):
+        self.address = f"127.0.0.1:{free_port()}"
+        self.start = time.monotonic()
+        self.echo = echo
+        self.procs: list[subprocess.Popen] = []
+        self.outputs: list[list[str]] = [[] for _ in range(n)]
+        self.exit_times: list[float | None] = [None] * n
+        self.killed: list[int] = []
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def spawn(self, argv: Sequence[str], i: int, env: dict[str, str]) -> None:
+        env[ENV_COORDINATOR] = self.address
+        proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own group, to kill its children too
+        )
+        self.procs.append(proc)
+        thread = threading.Thread(target=self.pump, args=(i, proc.stdout), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def pump(self, i: int, stream: Any) -> None:
         for line in iter(stream.readline, ""):
-            outputs[i].append(line)
-            if echo:
-                with lock:
+            self.outputs[i].append(line)
+            if self.echo:
+                with self.lock:
                     sys.stdout.write(f"[{i}] {line}")
                     sys.stdout.flush()
         stream.close()
 
-    threads = []
-    exit_times: list[float | None] = [None] * num_processes
-    killed: list[int] = []
-    try:
-        for i in range(num_processes):
-            child_env = dict(os.environ)
-            child_env.update(env or {})
-            child_env.update(
-                {
-                    ENV_COORDINATOR: address,
-                    ENV_NUM_PROCESSES: str(num_processes),
-                    ENV_PROCESS_ID: str(i),
-                    "PYTHONUNBUFFERED": "1",
-                }
-            )
-            if cpu_devices_per_process is not None:
-                child_env[ENV_CPU_DEVICES] = str(cpu_devices_per_process)
-            proc = subprocess.Popen(
-                list(argv),
-                env=child_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                start_new_session=True,  # its own group, to kill its children too
-            )
-            procs.append(proc)
-            thread = threading.Thread(target=pump, args=(i, proc.stdout), daemon=True)
-            thread.start()
-            threads.append(thread)
-
-        deadline = start + timeout_s
+    def wait(self, timeout_s: float, grace_s: float) -> None:
+        """Until all exit; once one fails, the others get ``grace_s``."""
+        deadline = self.start + timeout_s
         while True:
             now = time.monotonic()
-            for i, proc in enumerate(procs):
-                if exit_times[i] is None and proc.poll() is not None:
-                    exit_times[i] = now - start
+            for i, proc in enumerate(self.procs):
+                if self.exit_times[i] is None and proc.poll() is not None:
+                    self.exit_times[i] = now - self.start
                     if proc.returncode != 0:
                         deadline = min(deadline, now + grace_s)
-            if all(t is not None for t in exit_times) or now >= deadline:
-                break
+            if all(t is not None for t in self.exit_times) or now >= deadline:
+                return
             time.sleep(0.05)
-    finally:
-        for i, proc in enumerate(procs):
+
+    def kill_the_rest(self) -> None:
+        """SIGKILL (JAX catches SIGTERM) whatever still runs; reap all."""
+        for i, proc in enumerate(self.procs):
             if proc.poll() is None:
-                killed.append(i)
+                self.killed.append(i)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-        for i, proc in enumerate(procs):
+        for i, proc in enumerate(self.procs):
             proc.wait()
-            if exit_times[i] is None:
-                exit_times[i] = time.monotonic() - start
-        for thread in threads:
+            if self.exit_times[i] is None:
+                self.exit_times[i] = time.monotonic() - self.start
+        for thread in self.threads:
             thread.join(timeout=5)
-
-    return LocalRun(
-        returncodes=[p.returncode for p in procs],
-        outputs=["".join(o) for o in outputs],
-        exit_times=[float(t) for t in exit_times],
-        killed=killed,
-    )

@@ -1,19 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Where gradients live on a mesh: the one module that knows about sharding.
+"""Where arrays live on a mesh: the one module that reads shardings.
 
-The engines (`accumulate`, `microbatch`) ask this module three things:
-
-- how to make a per-parameter buffer (the accumulator, the zeros of a hold
-  step, the scan carry) with exactly its parameter's sharding, never
-  replicated;
-- which mesh axes shard the batch but not a given parameter: the gradient's
-  reduction over those axes is pure data parallelism, and it can be deferred
-  to once per update with JAX's ``reduced``/``unreduced`` types (a parameter
-  marked ``reduced`` over an axis gets a gradient ``unreduced`` over it: each
-  device keeps its partial sum, and one ``reshard`` sums them);
-- the arithmetic on unreduced partial sums (only linear maps with scalars
-  typed ``reduced`` are allowed on them), and the final reduction.
+The engines (`accumulate`, `microbatch`) ask it how to make a per-parameter
+buffer (the accumulator, the zeros of a hold step, the scan carry) with exactly
+its parameter's sharding, never replicated; which mesh axes shard the batch
+but not a parameter (pure data parallelism); how to split a sharded batch into
+micro-batches without a copy; and what shardings an optimizer state should
+get (`state_shardings`). Only public JAX API is used. The arithmetic on
+unreduced partial sums is `_partial_sums`'.
 
 Collectives that belong to the parameters' own sharding (the all-gather of
 FSDP weights, the reduce-scatter of their gradients) are the user's loss's,
@@ -66,19 +61,15 @@ def used_axes(spec: P | None) -> set[str]:
     return {a for entry in spec.partitions for a in axes_of(entry)}
 
 
+def axis_types(mesh: Any) -> dict[str, AxisType]:
+    """Each axis name of ``mesh`` with its type (Explicit, Auto, Manual)."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
 def unreduced(x: Any) -> frozenset:
     """Mesh axes over which ``x`` holds unreduced partial sums."""
     spec = explicit_spec(x)
     return frozenset(getattr(spec, "unreduced", ()) or ()) if spec else frozenset()
-
-
-def deferrable(x: Any, axes: Sequence[str]) -> frozenset:
-    """Of ``axes``, those that do not shard ``x``: its gradient's pure
-    data-parallel reduction over them can wait."""
-    spec = explicit_spec(x)
-    if spec is None or not jnp.issubdtype(jnp.result_type(x.dtype), jnp.inexact):
-        return frozenset()
-    return frozenset(a for a in axes if a not in used_axes(spec))
 
 
 def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> Any:
@@ -187,94 +178,6 @@ def sharded_over(tree: Any, axes: Sequence[str]) -> list[str]:
     return found
 
 
-def for_partial(scalar: jax.Array, like: Any) -> jax.Array:
-    """``scalar`` typed to multiply ``like``: reduced where ``like`` is unreduced."""
-    axes = unreduced(like)
-    if not axes:
-        return scalar
-    return jax.sharding.reshard(scalar, P(reduced=axes))
-
-
-def lerp(a: jax.Array, g: jax.Array, coef: jax.Array) -> jax.Array:
-    """``a + coef * (g - a)``: the running-mean step, also on partial sums."""
-    if not unreduced(a):
-        return a + coef.astype(a.dtype) * (g - a)
-    # Unreduced values admit only sums and products with reduced scalars.
-    one_minus = for_partial((1 - coef).astype(a.dtype), a)
-    return a * one_minus + g * for_partial(coef.astype(a.dtype), a)
-
-
-def scale(g: jax.Array, w: jax.Array) -> jax.Array:
-    """``w * g`` for a scalar ``w``, also on partial sums."""
-    return g * for_partial(w.astype(g.dtype), g)
-
-
-def finish(x: jax.Array) -> jax.Array:
-    """Sums ``x``'s partial sums: the one deferred reduction (an all-reduce,
-    or a reduce-scatter into the parameter's sharding)."""
-    axes = unreduced(x)
-    if not axes:
-        return x
-    spec = explicit_spec(x)
-    return jax.sharding.reshard(x, spec.update(unreduced=frozenset()))
-
-
-def defer_reduction(params: optax.Params, axes: Any) -> optax.Params:
-    """Marks parameters so that their gradients stay unreduced over ``axes``.
-
-    In a global-view ``jax.jit`` step on an Explicit mesh, ``jax.grad``
-    all-reduces each gradient over the mesh axes that shard the batch. Call
-    ``jax.grad(loss)(defer_reduction(params, "data"), batch)`` instead and the
-    gradients come back *unreduced* over ``"data"`` (each device keeps its
-    partial sum): `accumulate` with ``defer_axes="data"`` adds them up locally
-    and reduces once, in the boundary step. Leaves sharded over an axis (FSDP)
-    keep that axis: their reduce-scatter is part of FSDP and stays per call.
-
-    Args:
-      params: the parameters, sharded on an Explicit mesh.
-      axes: the mesh axis (or axes) that shard the batch.
-
-    Returns:
-      ``params`` with each floating leaf typed ``reduced`` over those of
-      ``axes`` that do not shard it; the values are unchanged.
-
-    Raises:
-      ValueError: if ``axes`` names no axis of an Explicit mesh.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax_accum
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> with jax.set_mesh(mesh):
-      ...     w = jax.device_put(jnp.ones(3), P())
-      ...     x = jax.device_put(jnp.ones((4, 3)), P("data"))
-      ...     g = jax.jit(lambda w, x: jax.grad(lambda w: jnp.mean(x @ w))(
-      ...         optax_accum.defer_reduction(w, "data")))(w, x)
-      >>> jax.typeof(g).sharding.spec.unreduced
-      frozenset({'data'})
-    """
-    names = axes_of(axes)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not names or any(
-        n not in mesh.axis_names or mesh._name_to_type[n] != AxisType.Explicit
-        for n in names
-    ):
-        raise ValueError(
-            f"`axes` must name Explicit axes of the current mesh, got {axes!r} "
-            f"(mesh axes {mesh.axis_names}, types {mesh.axis_types}); call under "
-            "`jax.set_mesh(mesh)`."
-        )
-
-    def mark(x):
-        extra = deferrable(x, names)
-        if not extra:
-            return x
-        spec = explicit_spec(x)
-        return jax.sharding.reshard(x, spec.update(reduced=spec.reduced | extra))
-
-    return jax.tree.map(mark, params)
-
-
 def _canonical(spec: P, ndim: int) -> tuple:
     """``spec`` in a form where ``P()`` and ``P(None, None)`` compare equal."""
     entries = [axes_of(e) or None for e in spec.partitions]
@@ -295,8 +198,8 @@ def check_like(grads: Any, accumulator: Any, slot: int) -> None:
                 f"accumulator has {as_}: the gradients must be sharded like the "
                 "parameters the state was initialised with"
                 + (
-                    " (unreduced gradients need `defer_axes` on the transformation,"
-                    " and `defer_axes` needs gradients from `defer_reduction`)."
+                    " (unreduced gradients need `data_axes` on the transformation,"
+                    " and `data_axes` needs gradients from `defer_reduction`)."
                     if gs.unreduced != as_.unreduced
                     else "."
                 )

@@ -1,13 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""A one-time warning for clipping placed before the accumulator in a chain.
+"""Best effort: a one-time warning for clipping chained before the accumulator.
 
 ``optax.chain(optax.clip_by_global_norm(1.0), accumulate(adamw, k))`` clips
-every micro-batch, then averages; the large batch clips the average once. At
-trace time, when ``optax.chain`` calls our ``update``, its frame holds the list
-of update functions: if a clipping transformation comes before ours, warn once
-per process. This reads optax's frames, not its API, so any surprise there
-means no warning, never an error. Costs a frame lookup at trace time only.
+every micro-batch, then averages; the large batch clips the average once (the
+docs' caveats say so too). At trace time, when ``optax.chain`` calls our
+``update``, its frame holds the list of update functions: if a clipping
+transformation comes before ours, warn once per process.
+
+Best effort, by design: optax offers no API to see a chain's members, so this
+reads ``optax.chain``'s frame locals, a private detail of optax. Any surprise
+there (a renamed local, another optax version) means no warning, never an
+error, and the caveat in the docs stays the contract. It costs a frame lookup
+at trace time only.
 """
 
 from __future__ import annotations

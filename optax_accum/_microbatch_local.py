@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`microbatch`'s device-local mode: the loop per device, one reduction after.
+
+With ``data_axes`` the user declares that ``fun`` treats rows independently,
+so each device can run the loop on its own rows inside ``jax.shard_map`` over
+those axes. This module owns what that takes: finding the mesh, refusing axes
+that shard a parameter (the loop would gather it whole), casting inputs to
+varying so their cotangents stay local, and reducing the threaded state and
+``aux`` over the devices. The loop itself, and its one reduction of values
+and gradients, are `_microbatch_loop`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _sharding, _weights
+from ._microbatch_loop import Loop, scan
+from ._microbatch_options import Context, Options
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array)
+
+
+def batch_mesh(args: list, kwargs: dict, state: Any, opts: Options) -> Any:
+    """The mesh to run the device-local loop on, with ``opts.data_axes``
+    checked against it and against the parameters.
+
+    The mesh comes from ``jax.set_mesh`` or the batch's sharding. Parameters
+    sharded over the named axes (FSDP) are refused: the loop would gather
+    them whole.
+    """
+    axes = opts.data_axes
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        meshes = [
+            s.mesh
+            for i in opts.batch_idx
+            for x in jax.tree.leaves(args[i])
+            if isinstance(s := getattr(jax.typeof(x), "sharding", None), NamedSharding)
+            and not s.mesh.empty
+        ]
+        if not meshes:
+            raise ValueError(
+                f"`data_axes`={axes!r} needs a mesh: call under `jax.set_mesh(mesh)`."
+            )
+        mesh = meshes[0]
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"`data_axes`={axes!r} names {missing}, not axes of the mesh "
+            f"{mesh.axis_names}."
+        )
+    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
+    clash = _sharding.sharded_over((others, kwargs, state), axes)
+    if clash:
+        raise ValueError(
+            f"`data_axes`={axes!r} must name only mesh axes that shard the "
+            "batch but no parameter: the device-local loop would gather these "
+            f"whole: {clash}. Name the pure data-parallel axes (HSDP: "
+            '`data_axes="data"`), or keep the global view (`data_axes=None`).'
+        )
+    return mesh
+
+
+def to_varying(tree: Any, axes: tuple) -> Any:
+    """pcast leaves to varying, so their cotangents stay local (no psum)."""
+
+    def cast(x):
+        if not _is_array(x):
+            return x
+        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _reduce_state(new: jax.Array, old: Any, axes: tuple) -> jax.Array:
+    if jnp.issubdtype(new.dtype, jnp.inexact):
+        return lax.pmean(new, axes)
+    if jnp.issubdtype(new.dtype, jax.dtypes.extended):
+        return old  # PRNG keys: the counters that advance are ints.
+    if jnp.issubdtype(new.dtype, jnp.bool_):
+        return lax.pmax(new.astype(jnp.int32), axes) > 0
+    return lax.pmax(new, axes)
+
+
+def _reduce_aux(a: jax.Array, ws: jax.Array, axes: tuple) -> jax.Array:
+    if jnp.issubdtype(a.dtype, jnp.bool_):
+        return lax.psum(a.astype(jnp.int32), axes) > 0
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+        return lax.psum(a, axes)
+    shape = ws.shape + (1,) * (a.ndim - 1)
+    wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+    w = ws.reshape(shape)
+    # A weight-0 micro-batch contributes nothing, even a NaN (select, not 0 * x).
+    num = lax.psum(jnp.where(w > 0, w * wide, 0.0), axes)
+    den = lax.psum(ws, axes).reshape(shape)
+    return _weights.ratio(num, den.astype(num.dtype)).astype(a.dtype)
+
+
+def device_local(
+    fun: Any, args: list, kwargs: dict, state: Any, opts: Options, size: int
+) -> Loop:
+    """The loop per device in ``shard_map`` over ``opts.data_axes``; its one
+    reduction runs inside. ``size`` is the global batch size."""
+    mesh = batch_mesh(args, kwargs, state, opts)
+    axes, k = opts.data_axes, opts.k
+    n_dev = _sharding.mesh_size(mesh, axes)
+    if (size // n_dev) % k:
+        raise ValueError(
+            f"each micro-batch must be spread over the {n_dev} devices of "
+            f"mesh axes {axes}: the micro-batch size {size // k} (batch "
+            f"{size} / `num_microbatches`={k}) is not divisible by {n_dev}."
+        )
+    flat, treedef = jax.tree.flatten((args, kwargs, state))
+    flags = [
+        jax.tree.map(lambda _, b=i in opts.batch_idx: b, a) for i, a in enumerate(args)
+    ]
+    is_batch = jax.tree.leaves((flags, *jax.tree.map(lambda _: False, (kwargs, state))))
+    dyn = [i for i, x in enumerate(flat) if is_batch[i] or _is_array(x)]
+    # Which aux leaves hold the micro-batch's rows (axis 1, after the stacking
+    # axis) is read from the device-local shapes while the loop is traced, so
+    # `fun` never runs outside the device-local context.
+    rows = _RowLeaves(size // k // n_dev)
+
+    def rebuild(leaves, cast):
+        full = list(flat)
+        for i, x in zip(dyn, leaves, strict=True):
+            full[i] = to_varying(x, axes) if cast and not is_batch[i] else x
+        return jax.tree.unflatten(treedef, full)
+
+    def per_device(*leaves):
+        largs, lkwargs, lstate = rebuild(leaves, cast=True)
+        out = scan(fun, list(largs), lkwargs, lstate, opts, Context(axes, local=True))
+        new_state = jax.tree.map(
+            lambda new, old: _reduce_state(new, old, axes),
+            out.state,
+            rebuild(leaves, cast=False)[2],
+        )
+        ws = jnp.ones((k,), jnp.float32) if out.weights is None else out.weights
+        aux = rows.reduce(out.aux, ws, axes) if opts.has_aux else out.aux
+        return out._replace(aux=aux, state=new_state, weights=None)
+
+    mapped = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=tuple(P(axes) if is_batch[i] else P() for i in dyn),
+        out_specs=Loop(P(), P(), P(None, axes), None, P(), P(), P()),
+        axis_names=set(axes),
+    )
+    out = mapped(*(flat[i] for i in dyn))
+    return out._replace(aux=rows.join(out.aux)) if opts.has_aux else out
+
+
+class _RowLeaves:
+    """The ``aux`` leaves that hold a micro-batch's rows, found while tracing:
+    those are gathered over devices; the others are reduced inside and gain a
+    device axis of length 1, so one out_spec serves every leaf."""
+
+    def __init__(self, rows_here: int):
+        self.rows_here = rows_here
+        self.is_row: list[bool] = []
+
+    def reduce(self, aux: Any, ws: jax.Array, axes: tuple) -> Any:
+        leaves, aux_def = jax.tree.flatten(aux)
+        self.is_row = [a.ndim >= 2 and a.shape[1] == self.rows_here for a in leaves]
+        return jax.tree.unflatten(
+            aux_def,
+            [
+                a if row else _reduce_aux(a, ws, axes)[:, None]
+                for a, row in zip(leaves, self.is_row, strict=True)
+            ],
+        )
+
+    def join(self, aux: Any) -> Any:
+        leaves, aux_def = jax.tree.flatten(aux)
+        return jax.tree.unflatten(
+            aux_def,
+            [
+                a if row else _sharding.replicated(a)[:, 0]
+                for a, row in zip(leaves, self.is_row, strict=True)
+            ],
+        )

@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`microbatch`'s options, checked once where they are given.
+
+`options` validates every keyword of `microbatch` (and of the Flax helpers,
+which pass theirs through) at construction and returns a frozen `Options`
+that the loop trusts. The checks of ``fun``'s output and arguments, which
+can only run at trace time, are here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+
+from . import _checks, _dtypes, _reduction
+from . import _noise_scale as ns
+from ._reduction import Mean, Sum
+from ._typing import AccumulatorDType, AxisName, Reduction
+
+PARAM_GATHER = ("per_micro_batch", "once", None)
+
+
+class WeightFn(Protocol):
+    """Weights one micro-batch: ``weight_fn(*microbatch_args) -> scalar``.
+
+    Called with the micro-batch slices of the ``batch_argnums`` arguments, in
+    that order. Return, for example, the number of valid tokens.
+    """
+
+    def __call__(self, *microbatch_args: Any) -> jax.typing.ArrayLike: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """`microbatch`'s checked options (see its docstring for each)."""
+
+    k: int
+    batch_idx: tuple[int, ...]
+    rng_idx: tuple[int, ...]
+    has_aux: bool
+    reduction: Mean | Sum
+    weight_fn: WeightFn | None
+    accumulator_dtype: Any
+    axis_name: tuple | None
+    data_axes: tuple[str, ...] | None
+    param_gather: str | None
+    decay: float | None
+    stateful: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where a loop runs: the global view (``axes`` None), or per device of
+    ``axes`` inside ``shard_map`` (``local``: the device-local mode, whose
+    PRNG keys are also folded with the device index)."""
+
+    axes: tuple | None = None
+    local: bool = False
+
+
+def options(
+    num_microbatches: int,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    reduction: Reduction = "mean",
+    weight_fn: WeightFn | None = None,
+    accumulator_dtype: AccumulatorDType = "promote",
+    axis_name: AxisName | None = None,
+    rng_argnums: int | Sequence[int] = (),
+    data_axes: AxisName | None = None,
+    param_gather: str | None = None,
+    noise_scale_decay: float | None = None,
+    stateful: bool = False,
+) -> Options:
+    """`microbatch`'s keywords, checked in its names."""
+    k = _checks.positive_int(num_microbatches, "num_microbatches")
+    strategy = _reduction.get(reduction)
+    batch_idx = _checks.argnums(batch_argnums, "batch_argnums")
+    rng_idx = _checks.argnums(rng_argnums, "rng_argnums")
+    if not batch_idx:
+        raise ValueError("`batch_argnums` must name at least one argument.")
+    if set(batch_idx) & set(rng_idx):
+        raise ValueError(
+            f"`batch_argnums` ({batch_argnums!r}) and `rng_argnums` "
+            f"({rng_argnums!r}) must not overlap."
+        )
+    _checks.callable_or_none(weight_fn, "weight_fn")
+    _checks.one_of(param_gather, "param_gather", PARAM_GATHER)
+    axes = _data_axes(data_axes)
+    if axis_name is not None and axes is not None:
+        raise ValueError(
+            "Pass either `axis_name` (inside shard_map/pmap) or `data_axes`, "
+            f"not both: got axis_name={axis_name!r}, data_axes={data_axes!r}."
+        )
+    decay = ns.check_options(noise_scale_decay, False, reduction, "num_microbatches")
+    return Options(
+        k=k,
+        batch_idx=batch_idx,
+        rng_idx=rng_idx,
+        has_aux=bool(has_aux),
+        reduction=strategy,
+        weight_fn=weight_fn,
+        accumulator_dtype=_dtypes.canonical(accumulator_dtype),
+        axis_name=None if axis_name is None else _axes_tuple(axis_name),
+        data_axes=axes,
+        param_gather=param_gather,
+        decay=decay,
+        stateful=stateful,
+    )
+
+
+def _axes_tuple(axis_name: Any) -> tuple:
+    return (axis_name,) if not isinstance(axis_name, tuple | list) else tuple(axis_name)
+
+
+def _data_axes(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, str) and value == "auto":
+        warnings.warn(
+            '`data_axes="auto"` (formerly `mesh_axes="auto"`) is deprecated and '
+            "will be removed in the next release; use `data_axes=None`, the "
+            "global view.",
+            DeprecationWarning,
+            stacklevel=5,
+        )
+        return None
+    return _checks.axis_names(value, "data_axes")
+
+
+def check_callable(fun: Callable[..., Any]) -> None:
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {fun!r}.")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of length {len(x)}"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"an array of shape {tuple(shape)}"
+    return f"a {type(x).__name__}"
+
+
+def check_fun_output(out: Any, has_aux: bool) -> None:
+    """Checks ``microbatch``'s ``fun`` returned ``(value, grads)`` as declared."""
+    expected = "((value, aux), grads)" if has_aux else "(value, grads)"
+    hint = ""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        if getattr(out, "shape", None) == ():
+            hint = (
+                " It returned a scalar: pass a value-and-grad function, e.g. "
+                "jax.value_and_grad(loss), not the loss."
+            )
+        else:
+            hint = (
+                " Gradients alone? Pass jax.value_and_grad(loss), not jax.grad(loss)."
+            )
+        raise TypeError(f"`fun` must return {expected}, got {_describe(out)}.{hint}")
+    first = out[0]
+    first_is_pair = isinstance(first, tuple | list) and len(first) == 2
+    if has_aux and not first_is_pair:
+        raise TypeError(
+            f"`fun` must return ((value, aux), grads) with `has_aux=True`, but "
+            f"its first output is {_describe(first)}, not a (value, aux) pair: "
+            "pass has_aux=False, or use jax.value_and_grad(loss, has_aux=True)."
+        )
+    if not has_aux and first_is_pair:
+        raise TypeError(
+            "`fun` must return (value, grads) with `has_aux=False`, but its value "
+            f"is {_describe(first)}: if `fun` returns ((value, aux), grads), pass "
+            "has_aux=True."
+        )
+
+
+def check_no_nnx_modules(args: Any) -> None:
+    """Flax nnx modules cannot cross `microbatch`'s scan as arguments."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    is_module = lambda x: isinstance(x, nnx.Module)
+    if any(is_module(x) for x in jax.tree.leaves(args, is_leaf=is_module)):
+        raise TypeError(
+            "`microbatch` got a flax.nnx Module as an argument; nnx modules are "
+            "mutable objects, not arrays, and cannot be sliced per micro-batch "
+            "inside `lax.scan`. Use optax_accum.flax.nnx_train_step(loss_fn, k), "
+            "which splits the model into arrays (and threads its state), or pass "
+            "nnx.split(model)'s arrays to a function that merges them."
+        )
