@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -112,6 +113,40 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if run.ok else 1
 
 
+# Orbax moves deleted steps here (`todelete_subdir`): one atomic rename, so a
+# kill during a deletion never leaves a listed step that cannot be restored.
+# The name is not a step number, so Orbax never lists it as a step.
+TRASH = "todelete"
+
+
+def empty_trash(directory: str) -> None:
+    """Removes the steps Orbax moved aside (process 0 only, as Orbax deletes)."""
+    trash = os.path.join(os.path.abspath(directory), TRASH)
+    if jax.process_index() == 0 and os.path.isdir(trash):
+        for entry in os.scandir(trash):  # entries only: Orbax may add one now
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def checkpoint_manager(directory: str, **options):
+    """An Orbax `CheckpointManager` whose saves and deletions survive a SIGKILL.
+
+    Deletions are renames into `TRASH`; the single-item layout is fixed up
+    front, so no directory can change how restores read; the temporary
+    directories of interrupted saves are removed at start-up. The recipe and
+    why: docs_snippets/checkpointing.md.
+    """
+    import orbax.checkpoint as ocp
+
+    empty_trash(directory)
+    return ocp.CheckpointManager(
+        os.path.abspath(directory),
+        item_handlers=ocp.StandardCheckpointHandler(),
+        options=ocp.CheckpointManagerOptions(
+            todelete_subdir=TRASH, cleanup_tmp_directories=True, **options
+        ),
+    )
+
+
 def rows(start: int, stop: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``start:stop`` of an endless synthetic data set.
 
@@ -196,13 +231,11 @@ def train(args: argparse.Namespace) -> None:
     if args.ckpt_dir:
         import orbax.checkpoint as ocp
 
-        manager = ocp.CheckpointManager(
-            os.path.abspath(args.ckpt_dir),
-            options=ocp.CheckpointManagerOptions(
-                save_interval_steps=args.save_every,
-                max_to_keep=2,
-                enable_async_checkpointing=False,
-            ),
+        manager = checkpoint_manager(
+            args.ckpt_dir,
+            save_interval_steps=args.save_every,
+            max_to_keep=2,
+            enable_async_checkpointing=False,
         )
         if (latest := manager.latest_step()) is not None:
             target = jax.tree.map(
@@ -221,12 +254,9 @@ def train(args: argparse.Namespace) -> None:
         for m in range(start, total):
             params, opt_state, loss = step(params, opt_state, *batch(m))
             if manager is not None:
-                manager.save(
-                    m + 1,
-                    args=ocp.args.StandardSave(
-                        {"params": params, "opt_state": opt_state}
-                    ),
-                )
+                state = {"params": params, "opt_state": opt_state}
+                if manager.save(m + 1, args=ocp.args.StandardSave(state)):
+                    empty_trash(args.ckpt_dir)
             if (m + 1) % args.k == 0:
                 local = np.mean([np.asarray(s.data) for s in loss.addressable_shards])
                 jax.block_until_ready(params)
