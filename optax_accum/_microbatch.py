@@ -22,8 +22,9 @@ from . import _noise_scale as ns
 from . import _sharding
 from ._deprecations import renamed_arguments
 from ._loss_scale import ScaledGrads
+from ._microbatch_call import batch_size
 from ._microbatch_local import device_local, to_varying
-from ._microbatch_loop import Loop, batch_size, scan, single
+from ._microbatch_loop import Loop, scan, single
 from ._microbatch_options import (
     Context,
     Options,

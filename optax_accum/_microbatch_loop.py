@@ -2,16 +2,17 @@
 # Copyright 2026 The optax_accum Authors.
 """The fused loop of `microbatch`: k micro-batches of ``fun`` in one `lax.scan`.
 
-Module-level parts, each one step of the data path: the batch size, the
-copy-free micro-batch views, one micro-batch's arguments, one call of
-``fun``, the weights of all k micro-batches (one vectorised pass before the
-loop), the loop (`scan`) and the loop-free path for k = 1 (`single`).
+The data path: the `plan` of the loop (all k weights first, in one vectorised
+pass, and each micro-batch's multiplier), the loop (`scan`: one micro-batch
+into the carry per step, `_add`), the one reduction after it (`_finish`), and
+the loop-free path for k = 1 (`single`). One micro-batch's arguments and one
+call of ``fun`` are `_microbatch_call`'s.
 
 What an accelerator's compiler needs from the loop body: each gradient reaches
 the carry through a plain add (or a select against zero), so that XLA's
 while-loop all-reduce code motion can sink the gradients' reduction out of the
 loop, leaving one per step. So weights are computed before the loop and, in
-the global view, applied inside the backward pass (`_call_scaled`), never as a
+the global view, applied inside the backward pass (`call_scaled`), never as a
 running mean or a scale between the gradient and the add.
 """
 
@@ -23,37 +24,39 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compiler, _devices, _dtypes, _sharding, _weights
+from . import _devices, _dtypes, _sharding, _weights
 from . import _noise_scale as ns
 from ._loss_scale import ScaledGrads
-from ._microbatch_options import Context, Options, check_fun_output
-
-
-class Call(NamedTuple):
-    """One call of ``fun`` on one micro-batch."""
-
-    value: Any
-    grads: Any
-    aux: Any
-    state: Any
-    scaled: ScaledGrads | None  # fun returned ScaledGrads (fp16 loss scaling)
+from ._microbatch_call import (
+    Call,
+    backward_scalable,
+    call,
+    call_scaled,
+    microbatch_args,
+    views,
+    weights,
+)
+from ._microbatch_options import Context, Options
 
 
 class Plan(NamedTuple):
     """How the loop weighs its micro-batches, fixed before it runs.
 
     ``weights`` (k,) are the admitted weights (None: unweighted);
-    ``multipliers`` (k,) scale each micro-batch's gradient; ``in_backward``:
-    they are applied inside the backward pass; ``divisor`` divides the sum
-    after the loop (and the reduction over devices); ``per_step`` scales each
-    unweighted micro-batch where the buffer's range needs it (fp16).
+    ``multipliers`` (k,) scale each micro-batch's gradient (None: 1);
+    ``in_backward``: they are applied inside the backward pass; ``divisor``
+    divides the sum after the loop and the reduction over devices. With
+    ``running`` (a float16 buffer, where a sum can overflow though the mean
+    fits) the loop keeps a running mean instead: ``multipliers`` are its
+    coefficients, and ``local_weight`` weighs the device's mean over devices.
     """
 
     weights: jax.Array | None
     multipliers: jax.Array | None
     in_backward: bool
     divisor: float
-    per_step: float | None
+    running: bool = False
+    local_weight: jax.Array | None = None
 
 
 class Carry(NamedTuple):
@@ -76,172 +79,48 @@ class Loop(NamedTuple):
     scaled: ScaledGrads | None  # the step's loss scale and finiteness
 
 
-def batch_size(args: list, opts: Options) -> int:
-    """The batch size of the ``batch_argnums`` arguments, checked."""
-    n = len(args)
-    for i in (*opts.batch_idx, *opts.rng_idx):
-        if i >= n:
-            raise ValueError(
-                f"argument index {i} (from `batch_argnums` or `rng_argnums`) "
-                f"is out of range for {n} positional arguments."
-            )
-    sizes = {}
-    for i in opts.batch_idx:
-        for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
-            if jnp.ndim(x) == 0:
-                raise ValueError(
-                    f"batch argument {i} has a scalar leaf at "
-                    f"{jax.tree_util.keystr(path)}: every batch leaf needs "
-                    "a leading batch axis."
-                )
-            sizes[f"argument {i}{jax.tree_util.keystr(path)}"] = jnp.shape(x)[0]
-    if not sizes:
-        raise ValueError(f"the batch arguments {opts.batch_idx} have no array leaves.")
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"batch leaves must share their leading size, got {sizes}.")
-    size = next(iter(sizes.values()))
-    if size % opts.k:
-        raise ValueError(
-            f"the batch size {size} is not divisible by `num_microbatches`={opts.k}."
-        )
-    return size
-
-
-def views(args: list, opts: Options) -> dict[int, Any]:
-    """Each batch argument as ``(B/k, k, ...)``: micro-batch ``i`` is column
-    ``i`` (rows ``i, i+k, ...``), a free reshape that keeps the rows' sharding."""
-    k = opts.k
-
-    def view(x):
-        x = _sharding.splittable(x, k)
-        return x.reshape(x.shape[0] // k, k, *x.shape[1:])
-
-    return {i: jax.tree.map(view, args[i]) for i in opts.batch_idx}
-
-
-def microbatch_args(
-    args: list, batch_views: dict, i: Any, opts: Options, ctx: Context, pin: bool
-) -> list:
-    """The positional arguments of micro-batch ``i``."""
-    margs = list(args)
-    if pin:
-        fixed = [j for j in range(len(args)) if j not in opts.batch_idx]
-        held = _compiler.pin_to_iteration([args[j] for j in fixed], i)
-        for j, x in zip(fixed, held, strict=True):
-            margs[j] = x
-    for j in opts.batch_idx:
-        margs[j] = jax.tree.map(
-            lambda v: lax.dynamic_index_in_dim(v, i, 1, keepdims=False),
-            batch_views[j],
-        )
-    device = lax.axis_index(ctx.axes) if ctx.local else None
-    for j in opts.rng_idx:
-
-        def fold(key):
-            key = jax.random.fold_in(key, i)
-            return key if device is None else jax.random.fold_in(key, device)
-
-        margs[j] = jax.tree.map(fold, args[j])
-    return margs
-
-
-def call(fun: Any, args: list, kwargs: dict, state: Any, opts: Options) -> Call:
-    """One call of ``fun``, its output checked and taken apart."""
-    if opts.stateful:
-        out, state = fun(*args, state=state, **kwargs)
-    else:
-        out = fun(*args, **kwargs)
-    if isinstance(out, ScaledGrads):
-        value, aux = out.value if opts.has_aux else (out.value, None)
-        return Call(value, out.grads, aux, state, out)
-    check_fun_output(out, opts.has_aux)
-    (value, aux), grads = out if opts.has_aux else ((out[0], None), out[1])
-    return Call(value, grads, aux, state, None)
-
-
-def _call_scaled(fun, args: list, kwargs, state, opts: Options, seed) -> Call:
-    """``fun``'s value differentiated with the cotangent ``seed``.
-
-    The gradient of ``seed * value`` w.r.t. the first argument is computed
-    here, so the scale sits inside the backward pass, before the compiler's
-    reduction of the gradient over the data axes; ``fun``'s own gradients are
-    dead code that XLA removes. Used where `backward_scalable` holds.
-    """
-
-    def value_of(first):
-        out = call(fun, [first, *args[1:]], kwargs, state, opts)
-        return out.value, (out.value, out.aux, out.state)
-
-    _, vjp, (value, aux, new_state) = jax.vjp(value_of, args[0], has_aux=True)
-    (grads,) = vjp(seed.astype(value.dtype))
-    return Call(value, grads, aux, new_state, None)
-
-
-def backward_scalable(args: list, shapes: Call, opts: Options, ctx: Context) -> bool:
-    """Whether the weights can go inside the backward pass: the global view,
-    ``fun`` a value-and-grad function of its first argument (gradients shaped
-    like it, as ``jax.value_and_grad(loss)``'s are) and a float32 or float64
-    value."""
-    if opts.weight_fn is None or ctx.axes is not None or shapes.scaled is not None:
-        return False
-    if 0 in opts.batch_idx or 0 in opts.rng_idx:
-        return False
-    if jnp.dtype(shapes.value.dtype) not in (jnp.float32, jnp.float64):
-        return False
-    first, grads = args[0], shapes.grads
-    if jax.tree.structure(first) != jax.tree.structure(grads):
-        return False
-    return all(
-        jnp.shape(p) == g.shape
-        and jnp.result_type(p) == g.dtype
-        and _dtypes.is_differentiable(g.dtype)
-        for p, g in zip(jax.tree.leaves(first), jax.tree.leaves(grads), strict=True)
-    )
-
-
-def weights(batch_views: dict, opts: Options, dtype: Any) -> jax.Array:
-    """All k micro-batches' weights in one vectorised pass, admitted: a NaN,
-    infinite or negative weight weighs 0 (`_weights`' contract)."""
-
-    def weight_of(*columns):
-        w = opts.weight_fn(*columns)
-        if jnp.ndim(w) != 0:
-            raise ValueError(
-                f"`weight_fn` must return a scalar, got shape {jnp.shape(w)}."
-            )
-        return jnp.asarray(w, dtype)
-
-    columns = [batch_views[i] for i in opts.batch_idx]
-    return _weights.admitted(jax.vmap(weight_of, in_axes=1)(*columns))
-
-
 def plan(args, batch_views, shapes: Call, opts: Options, ctx: Context) -> Plan:
     """The weights, multipliers and divisor of the loop (see `Plan`)."""
     devices = 1 if ctx.axes is None else lax.axis_size(ctx.axes)
     count = opts.k * devices
-    narrow = _narrow(shapes.grads, opts)
-    if opts.weight_fn is None:
-        per_step = opts.reduction.unweighted_step(opts.k, narrow)
-        divisor = 1.0 if not opts.reduction.is_mean else float(count)
-        divisor = divisor if per_step is None else float(devices)
-        return Plan(None, None, False, divisor, per_step)
-    ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
+    running = _narrow(shapes.grads, opts) and opts.reduction.runs_in_narrow_buffers()
+    ws = None
+    if opts.weight_fn is not None:
+        ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
+    if running:
+        return _running_plan(ws, opts, ctx)
+    if ws is None:
+        return Plan(None, None, False, opts.reduction.loop_divisor(count))
     if ctx.axes is None:
-        multipliers = opts.reduction.loop_scales(ws, narrow)
+        multipliers = opts.reduction.loop_scales(ws)
     else:  # over every device's weights: one all-gather of k scalars
         every = lax.all_gather(ws, ctx.axes)
-        multipliers = opts.reduction.loop_scales(every, narrow)
-        multipliers = multipliers[lax.axis_index(ctx.axes)]
+        multipliers = opts.reduction.loop_scales(every)[lax.axis_index(ctx.axes)]
     in_backward = backward_scalable(args, shapes, opts, ctx)
-    divisor = opts.reduction.loop_divisor(count, narrow)
-    return Plan(ws, multipliers, in_backward, divisor, None)
+    return Plan(ws, multipliers, in_backward, opts.reduction.loop_divisor(count))
+
+
+def _running_plan(ws: jax.Array | None, opts: Options, ctx: Context) -> Plan:
+    """The running mean of a float16 buffer: its coefficients, and the
+    device's weight (any scale common to the devices)."""
+    if ws is None:
+        unit = jnp.ones((opts.k,), jnp.float32)
+        return Plan(None, _weights.running_shares(unit), False, 1.0, True, unit.sum())
+    if ctx.axes is None:
+        scaled = _weights.normalized(ws)
+    else:  # scaled by the largest weight of any device
+        every = _weights.normalized(lax.all_gather(ws, ctx.axes))
+        scaled = every[lax.axis_index(ctx.axes)]
+    coefficients = _weights.running_shares(scaled)
+    return Plan(ws, coefficients, False, 1.0, True, scaled.sum())
 
 
 def _narrow(grads: Any, opts: Options) -> bool:
     """Whether some gradient accumulates in a float16-range buffer, where a
     sum of k micro-batches can overflow though their mean fits."""
     return any(
-        jnp.finfo(_dtypes.for_gradient(g.dtype, opts.accumulator_dtype)).max < 1e6
+        float(jnp.finfo(_dtypes.for_gradient(g.dtype, opts.accumulator_dtype)).max)
+        < 1e6
         for g in jax.tree.leaves(grads)
         if _dtypes.is_differentiable(g.dtype)
     )
@@ -258,9 +137,7 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     def body(carry: Carry, i: jax.Array):
         margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
         if how.in_backward:
-            out = _call_scaled(
-                fun, margs, kwargs, carry.state, opts, how.multipliers[i]
-            )
+            out = call_scaled(fun, margs, kwargs, carry.state, opts, how.multipliers[i])
         else:
             out = call(fun, margs, kwargs, carry.state, opts)
         return _add(carry, out, i, how, opts, ctx, _rows(margs, opts)), out.aux
@@ -322,43 +199,40 @@ def _init(shapes: Call, state: Any, opts: Options) -> Carry:
 
 def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, rows):
     """One micro-batch into the carry: a plain add (or a select with zero)."""
-    if how.weights is None:
-        step = how.per_step
+    weighted = how.weights is not None
+    keep = how.weights[i] > 0 if weighted else None
+    m = None if how.multipliers is None else how.multipliers[i]
+    if how.running:
+        w = how.weights[i] if weighted else jnp.float32(1)
 
         def add(a, x):
-            if step is None:
-                return a + x.astype(a.dtype)
-            wide = _dtypes.compute(a.dtype)
-            return (a.astype(wide) + x.astype(wide) * step).astype(a.dtype)
+            new = opts.reduction.step(a, x, m, w).astype(a.dtype)
+            return new if keep is None else jnp.where(keep, new, a)
 
-        grads = jax.tree.map(add, carry.grads, out.grads)
-        value = jax.tree.map(add, carry.value, out.value)
-        sq = ns.squared_norm(out.grads) if opts.decay is not None else None
-        w_noise = jnp.float32(rows)
+        g, v = out.grads, out.value
     else:
-        m, keep = how.multipliers[i], how.weights[i] > 0
-        g = (
-            out.grads
-            if how.in_backward
-            else jax.tree.map(lambda x: _times(x, m), out.grads)
-        )
 
         def add(a, x):
+            x = x.astype(a.dtype)
+            if keep is None:
+                return a + x
             # Weight 0 contributes nothing, even an all-padding micro-batch's
-            # 0/0 = NaN: select, not multiply.
-            return a + jnp.where(keep, x.astype(a.dtype), jnp.zeros((), a.dtype))
+            # 0/0 = NaN: select against zero (which the compiler can sink out
+            # of the loop with the add), not multiply.
+            return a + jnp.where(keep, x, jnp.zeros((), a.dtype))
 
-        grads = jax.tree.map(add, carry.grads, g)
-        value = jax.tree.map(
-            add, carry.value, jax.tree.map(lambda v: _times(v, m), out.value)
-        )
-        sq = None
-        if opts.decay is not None:
-            sq = ns.squared_norm(out.grads)
-            sq = _weights.ratio(sq, (m * m).astype(sq.dtype)) if how.in_backward else sq
-        w_noise = how.weights[i]
+        g = out.grads
+        if weighted and not how.in_backward:
+            g = jax.tree.map(lambda x: _times(x, m), g)
+        v = out.value if m is None else jax.tree.map(lambda x: _times(x, m), out.value)
+    grads = jax.tree.map(add, carry.grads, g)
+    value = jax.tree.map(add, carry.value, v)
     noise = carry.noise
-    if sq is not None:
+    if opts.decay is not None:
+        sq = ns.squared_norm(out.grads)
+        if how.in_backward:  # the gradient came scaled by m
+            sq = _weights.ratio(sq, (m * m).astype(sq.dtype))
+        w_noise = how.weights[i] if weighted else jnp.float32(rows)
         noise = tuple(map(_match, ns.window_sums(noise, sq, w_noise), noise))
     loss_scale = _loss_scale_step(carry.loss_scale, out, ctx)
     return Carry(value, grads, noise, loss_scale, out.state)
@@ -390,7 +264,11 @@ def _finish(carry: Carry, aux, how: Plan, shapes: Call, opts: Options, ctx: Cont
     value, grads, noise = carry.value, carry.grads, carry.noise
     if ctx.axes is not None:
         (value, grads), _, noise = _devices.psum_window(
-            (value, grads), None, ctx.axes, mean=False, extras=noise
+            (value, grads),
+            how.local_weight if how.running else None,
+            ctx.axes,
+            mean=opts.reduction.is_mean,
+            extras=noise,
         )
     if how.divisor != 1.0:
         value, grads = jax.tree.map(lambda a: a / how.divisor, (value, grads))

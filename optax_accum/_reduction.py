@@ -6,7 +6,7 @@ Each strategy answers, for both faces, the same questions (after
 optax.microbatching's ``Accumulator``): how one weighted micro-batch enters a
 running window (`accumulate`: `first`, `step`), by what each micro-batch's
 gradient is scaled inside a fused loop (`microbatch`: `loop_scales`,
-`loop_divisor`, `unweighted_step`), and whether the result is a mean
+`loop_divisor`, `runs_in_narrow_buffers`), and whether the result is a mean
 (``is_mean``: weighted across devices by `_devices`). The strategies hold no
 state; `get` returns the one for a ``reduction`` name.
 """
@@ -39,24 +39,21 @@ class Mean:
         del w
         return g
 
-    def loop_scales(self, ws: jax.Array, narrow: bool) -> jax.Array:
+    def loop_scales(self, ws: jax.Array) -> jax.Array:
         """Per-micro-batch multipliers of the gradients in a fused loop: each
         weight's share times the number of weights (``ws`` may hold every
-        device's k), so they are about 1, as unweighted; in a ``narrow``
-        (float16) buffer just the shares, so no partial sum can exceed the
-        largest gradient."""
-        return _weights.shares(ws) * (1 if narrow else ws.size)
+        device's k), so they are about 1, as unweighted; the loop's sum is
+        then divided by `loop_divisor`."""
+        return _weights.shares(ws) * ws.size
 
-    def loop_divisor(self, count: int, narrow: bool) -> float:
-        """What the loop's sum of ``count`` scaled micro-batches is divided by."""
-        return 1.0 if narrow else float(count)
+    def loop_divisor(self, count: int) -> float:
+        """What the loop's sum of ``count`` micro-batches is divided by."""
+        return float(count)
 
-    def unweighted_step(self, k: int, narrow: bool) -> float | None:
-        """The per-micro-batch scale for a loop without weights: None (a plain
-        sum, divided once after) unless the buffer is ``narrow`` (float16),
-        where a sum of k can overflow: each micro-batch then enters as
-        ``g / k``."""
-        return 1.0 / k if narrow and k > 1 else None
+    def runs_in_narrow_buffers(self) -> bool:
+        """In a float16 buffer a sum of k can overflow though the mean fits:
+        there the loop keeps a running mean (`step`, not sinkable) instead."""
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +70,15 @@ class Sum:
     def first(self, g: jax.Array, w: jax.Array) -> jax.Array:
         return _partial_sums.scale(g, w)
 
-    def loop_scales(self, ws: jax.Array, narrow: bool) -> jax.Array:
-        del narrow
+    def loop_scales(self, ws: jax.Array) -> jax.Array:
         return ws
 
-    def loop_divisor(self, count: int, narrow: bool) -> float:
-        del count, narrow
+    def loop_divisor(self, count: int) -> float:
+        del count
         return 1.0
 
-    def unweighted_step(self, k: int, narrow: bool) -> float | None:
-        del k, narrow
-        return None
+    def runs_in_narrow_buffers(self) -> bool:
+        return False  # a sum that overflows is the sum asked for
 
 
 def get(reduction: str) -> Mean | Sum:

@@ -116,9 +116,20 @@ def running_mean(
 def shares(ws: jax.Array) -> jax.Array:
     """Each admitted weight's share ``w_i / sum_j w_j`` of a vector of them.
 
-    Scaled first by the power of two that brings the largest into [0.5, 1)
-    (exact), so that the sum cannot overflow.
+    Scaled first (`normalized`), so that the sum cannot overflow.
     """
-    _, exponent = jnp.frexp(jnp.max(ws))
-    scaled = jnp.ldexp(ws, -exponent)
+    scaled = normalized(ws)
     return ratio(scaled, jnp.sum(scaled))
+
+
+def normalized(ws: jax.Array) -> jax.Array:
+    """``ws`` scaled by the power of two that brings the largest into
+    [0.5, 1): exact, and their sum cannot overflow."""
+    _, exponent = jnp.frexp(jnp.max(ws))
+    return jnp.ldexp(ws, -exponent)
+
+
+def running_shares(ws: jax.Array) -> jax.Array:
+    """Each weight's share of the weights up to it, ``w_i / sum_{j<=i} w_j``:
+    the coefficients of a running weighted mean (0 while the sum is 0)."""
+    return ratio(ws, jnp.cumsum(ws))

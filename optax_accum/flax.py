@@ -231,12 +231,11 @@ def _nnx_update(model, optimizer, grads, loss, scaled, opt_kwargs) -> None:
     if scaled is None:
         optimizer.update(model, grads, **opt_kwargs)
         return
-    before = nnx.state((model, optimizer))
+    # Pure arrays: a State holds the Variables, which the update mutates.
+    before = nnx.as_pure(nnx.state((model, optimizer)))
     optimizer.update(model, grads, **opt_kwargs)
-    nnx.update(
-        (model, optimizer),
-        _keep_unless(scaled.finite, nnx.state((model, optimizer)), before),
-    )
+    after = nnx.as_pure(nnx.state((model, optimizer)))
+    nnx.update((model, optimizer), _keep_unless(scaled.finite, after, before))
 
 
 @renamed_arguments(_RENAMED)
