@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import mlp_loss, mlp_params, regression_data
 
 import optax_accum
+from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1, momentum=0.9),

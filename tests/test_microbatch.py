@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from optax import microbatching
 
 import optax_accum
+from tests.helpers import hlo as _hlo
 
 # ----------------------------------------------------------------- models
 
