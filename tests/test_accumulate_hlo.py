@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 import re
 
-import _hlo
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_loss, mlp_params
 
 import optax_accum
+from tests.helpers import hlo as _hlo
+from tests.helpers.models import mlp_loss, mlp_params
 
 SIZES = (256, 256, 256, 256, 256)  # repeated shapes: XLA merges their zeros
 

@@ -62,9 +62,11 @@ def _optimizers():
     adam = optax.adam(1e-2)
     skip = optax_accum.skip_not_finite
     return {
-        "accumulate": optax.chain(
-            optax.clip_by_global_norm(1.0),
-            optax_accum.accumulate(adam, every_k=K, skip_fn=skip),
+        # Clipping inside the wrapper: it clips the window's mean, once.
+        "accumulate": optax_accum.accumulate(
+            optax.chain(optax.clip_by_global_norm(1.0), adam),
+            every_k=K,
+            skip_fn=skip,
         ),
         "accumulate_schedule": optax_accum.accumulate(
             adam, every_k=optax_accum.batch_size_warmup(8, 16, 32, 2), skip_fn=skip

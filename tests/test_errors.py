@@ -134,3 +134,26 @@ def test_has_updated_needs_exactly_one_accumulate_state():
         optax_accum.has_updated(optax.sgd(1.0).init(PARAMS))
     with pytest.raises(ValueError, match="found 2"):
         optax_accum.has_updated((tx.init(PARAMS), tx.init(PARAMS)))
+
+
+def test_weight_string_and_close_window_shape_name_the_argument():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="`weight` must be a real number, got '3'"):
+        tx.update(params, state, params, weight="3")
+    with pytest.raises(ValueError, match=r"`close_window` must be a boolean scalar"):
+        tx.update(params, state, params, close_window=jnp.array([True]))
+    with pytest.raises(TypeError, match=r"`close_window` must be a boolean scalar"):
+        tx.update(params, state, params, close_window=1.0)
+
+
+def test_uncalled_skip_large_updates_says_call_it():
+    for make in (
+        lambda f: optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=f),
+        lambda f: optax_accum.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=f),
+    ):
+        with pytest.raises(TypeError, match=r"call it: skip_large_updates\(max_norm\)"):
+            make(optax_accum.skip_large_updates)
+    with pytest.raises(TypeError, match=r"`skip_fn` must take \(grads, step, params\)"):
+        optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=lambda g: g)

@@ -1,6 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Tests for `optax_accum.flax`: nnx and linen fused steps vs explicit loops."""
+"""Tests for `optax_accum.flax`: nnx and linen fused steps vs explicit loops.
+
+Also: the steps forward optimizer extra args (``reduce_on_plateau`` gets the
+window's loss as ``value``), `linen_train_step` takes a plain ``TrainState``
+(no ``batch_stats``), and both helpers check their arguments when built.
+"""
 
 from __future__ import annotations
 
@@ -211,3 +216,120 @@ def test_linen_dropout_key_changes_the_result():
     _, a = step(state, x, y, rng=jax.random.key(0))
     _, b = step(state, x, y, rng=jax.random.key(1))
     assert float(a) != float(b)
+
+
+# ------------------------------------------- extra args, plain TrainState
+
+STEPS = 6
+
+
+def _regression_data(seed=0, n=K * 4):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(n, 1)) * 3 + 5 * rng.normal(size=(n, 1)) ** 2)
+    return x, y.astype(jnp.float32)
+
+
+def _plateau():
+    return optax.chain(
+        optax.sgd(0.5),
+        optax.contrib.reduce_on_plateau(factor=0.5, patience=1, accumulation_size=1),
+    )
+
+
+def _nnx_mse(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _nnx_plateau_large_batch(x, y):
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, _plateau(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(_nnx_mse)(model, x, y)
+        opt.update(model, grads, value=loss)
+
+    for _ in range(STEPS):
+        step(model, opt, x, y)
+    return nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_nnx_train_step_feeds_reduce_on_plateau(explicit):
+    x, y = _regression_data()
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, _plateau(), wrt=nnx.Param)
+    step = nnx.jit(nnx_train_step(_nnx_mse, K))
+    for _ in range(STEPS):
+        if explicit:  # the large-batch loss, computed by the caller
+            step(model, opt, x, y, value=_nnx_mse(model, x, y))
+        else:  # the step passes its own loss, the mean over the k micro-batches
+            step(model, opt, x, y)
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.Param),
+        _nnx_plateau_large_batch(x, y),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+class _Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(x)
+
+
+def _plain_state(tx):
+    net = _Dense()
+    params = net.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+
+def _linen_mse(params, rng, x, y):
+    del rng
+    return jnp.mean((_Dense().apply({"params": params}, x) - y) ** 2)
+
+
+@pytest.mark.parametrize("plateau", [False, True])
+def test_linen_train_step_takes_a_plain_train_state(plateau):
+    x, y = _regression_data(1)
+    make = _plateau if plateau else (lambda: optax.adam(0.05))
+    state = _plain_state(make())
+    step = jax.jit(linen_train_step(_linen_mse, K))
+    ref = _plain_state(make())
+    for _ in range(STEPS):
+        state, loss = step(state, x, y)
+        value, grads = jax.value_and_grad(_linen_mse)(ref.params, None, x, y)
+        updates, opt_state = ref.tx.update(
+            grads, ref.opt_state, ref.params, value=value
+        )
+        ref = ref.replace(
+            step=ref.step + 1,
+            params=optax.apply_updates(ref.params, updates),
+            opt_state=opt_state,
+        )
+        np.testing.assert_allclose(loss, value, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
+    assert int(state.step) == STEPS
+
+
+# ------------------------------------------------------------ construction
+
+
+@pytest.mark.parametrize(
+    ("k", "error", "match"),
+    [
+        (0, ValueError, "`num_micro_batches` must be >= 1, got 0"),
+        (2.0, TypeError, "`num_micro_batches` must be an integer, got 2.0"),
+    ],
+)
+def test_flax_helpers_validate_at_construction(k, error, match):
+    loss = lambda *a: 0.0
+    for helper in (nnx_train_step, linen_train_step):
+        with pytest.raises(error, match=match):
+            helper(loss, k)
+    with pytest.raises(ValueError, match="`reduction` must be one of"):
+        nnx_train_step(loss, 2, reduction="avg")
+    with pytest.raises(TypeError, match="`batch_argnums` is set by nnx_train_step"):
+        nnx_train_step(loss, 2, batch_argnums=1)

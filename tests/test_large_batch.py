@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_loss, mlp_params, regression_data
 
 import optax_accum
+from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 K, MICRO, WINDOWS = 4, 6, 4
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import _hlo
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from optax import microbatching
 
 import optax_accum
+from tests.helpers import hlo as _hlo
 
 # ----------------------------------------------------------------- models
 
@@ -316,6 +316,39 @@ def test_errors_at_trace_time():
         fun(params, batch)
     with pytest.raises(ValueError, match=r"argument index 3"):
         optax_accum.microbatch(vg, 2, batch_argnums=3)(params, batch)
+
+
+@pytest.mark.parametrize(
+    ("make_fun", "has_aux", "match"),
+    [
+        # has_aux=True on a plain value_and_grad: "iteration over a 0-d array".
+        (lambda f: jax.value_and_grad(f), True, "pass has_aux=False"),
+        # has_aux=False on ((value, aux), grads): "Too many indices".
+        (
+            lambda f: jax.value_and_grad(lambda w, x: (f(w, x), x), has_aux=True),
+            False,
+            "pass has_aux=True",
+        ),
+        # a plain loss: "IndexError".
+        (lambda f: f, False, "not the loss"),
+        # jax.grad with dict params: "KeyError: 0".
+        (lambda f: jax.grad(f), False, r"not jax.grad\(loss\)"),
+    ],
+)
+def test_fun_output_structure_is_checked(make_fun, has_aux, match):
+    loss = lambda w, x: jnp.mean((x * w["a"]) ** 2)
+    fun = optax_accum.microbatch(make_fun(loss), 2, has_aux=has_aux)
+    with pytest.raises(TypeError, match=match):
+        fun({"a": jnp.float32(1.0)}, jnp.ones(4))
+
+
+def test_microbatch_with_an_nnx_module_points_to_nnx_train_step():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    fun = optax_accum.microbatch(nnx.value_and_grad(loss), 2)
+    with pytest.raises(TypeError, match="nnx_train_step"):
+        nnx.jit(fun)(model, jnp.ones((4, 2)))
 
 
 # ----------------------------------------------------------------- memory

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import mlp_loss, mlp_params
 
 from optax_accum import MultiSteps, MultiStepsState
+from tests.helpers.models import mlp_loss, mlp_params
 
 
 def _loss(params, data):

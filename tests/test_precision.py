@@ -38,7 +38,7 @@ def _microbatch(values, weights=None, **kwargs):
     weight_fn = None
     if weights is not None:
         batch["w"] = jnp.asarray(weights, jnp.float32)
-        weight_fn = lambda b: b["w"][0]  # noqa: E731
+        weight_fn = lambda b: b["w"][0]
     fun = optax_accum.microbatch(
         jax.value_and_grad(loss), len(values), weight_fn=weight_fn, **kwargs
     )
@@ -97,7 +97,7 @@ def test_default_accumulator_keeps_bf16_gradients_in_float32(k):
     ref = np.asarray(bf16, np.float64).mean(0)
     default = np.asarray(_microbatch(bf16), np.float64)
     low = np.asarray(_microbatch(bf16, accumulator_dtype=None), np.float64)
-    err = lambda x: np.max(np.abs(x - ref) / np.abs(ref))  # noqa: E731
+    err = lambda x: np.max(np.abs(x - ref) / np.abs(ref))
     # bf16 rounding of the result alone is 2**-9 = 0.002.
     assert err(default) < 0.005 < err(low)
     tx = optax_accum.accumulate(optax.sgd(1.0), 2)

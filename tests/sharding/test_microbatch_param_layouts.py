@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""`microbatch` with sharded parameters (issue 8).
+"""`microbatch` with sharded parameters.
 
 The global view (the default) on every layout and axis type; the device-local
 loop (``mesh_axes="data"``) where the data axis shards no parameter; FSDP
@@ -10,13 +10,13 @@ micro-batches).
 
 from __future__ import annotations
 
-import _hlo
-import _layouts as L
 import chex
 import jax
 import pytest
 
 import optax_accum
+from tests.helpers import hlo as _hlo
+from tests.helpers import layouts as L
 
 K, ROWS = 4, 64
 

@@ -21,7 +21,7 @@ from optax_accum.__main__ import main, parse_tables
 
 pytest.importorskip("flax")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_bench():

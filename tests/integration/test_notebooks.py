@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = sorted(
     {p.stem for p in NOTEBOOKS_DIR.glob("*.ipynb")}
     | {p.stem for p in NOTEBOOKS_DIR.glob("*.py")}

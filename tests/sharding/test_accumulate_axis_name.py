@@ -4,18 +4,18 @@
 
 from __future__ import annotations
 
-import _hlo
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import mlp_loss, mlp_params, regression_data
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from tests.helpers import hlo as _hlo
+from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 N = 8
 K = 3

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "fsdp.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "fsdp.py")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

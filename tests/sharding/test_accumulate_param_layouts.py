@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""`accumulate` and `MultiSteps` with sharded parameters (issue 8).
+"""`accumulate` and `MultiSteps` with sharded parameters.
 
 Layouts: replicated data parallel, FSDP, tensor parallel, HSDP and a 3-D mesh,
 under Explicit and Auto axis types, against the single-device full batch.
@@ -8,8 +8,6 @@ under Explicit and Auto axis types, against the single-device full batch.
 
 from __future__ import annotations
 
-import _hlo
-import _layouts as L
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from tests.helpers import hlo as _hlo
+from tests.helpers import layouts as L
 
 K, WINDOWS, ROWS = 3, 2, 16
 

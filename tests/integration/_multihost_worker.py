@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""One process of the 2-process tests in `test_multihost.py`.
+"""One process of the 2-process test in `test_multihost.py`, next to this file.
 
 Run by `optax_accum.launch_local`: 2 processes x 2 CPU devices, gloo. Each
 process feeds only its own rows of every batch. It trains the same MLP three
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -26,8 +27,13 @@ jax.config.update("jax_platforms", "cpu")
 
 import numpy as np  # noqa: E402
 
-import optax_accum  # noqa: E402
+# Run as a script, so only this folder is on sys.path: add the repository root
+# for `tests.helpers`.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
 from optax_accum._distributed import ENV_COORDINATOR, ENV_PROCESS_ID  # noqa: E402
+
+import optax_accum  # noqa: E402
 
 NUM_PROCESSES = 2
 D, H = 8, 16  # input features, hidden units
@@ -195,11 +201,12 @@ def _hsdp(params0, loss, xs, ys, update_rows, reference):
     rows are sharded over ("data", "fsdp"). Returns the trained parameters
     and, per face, the collectives that cross the data axis (count, bytes).
     """
-    import _hlo
     import jax.numpy as jnp
     import optax
     from jax.sharding import NamedSharding, reshard
     from jax.sharding import PartitionSpec as P
+
+    from tests.helpers import hlo as _hlo
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
     for i in range(2):  # the data axis is the process axis

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import re
 
-import _hlo_dataflow as D
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_loss, mlp_params
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from tests.helpers import hlo_dataflow as D
+from tests.helpers.models import mlp_loss, mlp_params
 
 K = 4
 SIZES = (16, 32, 32, 8)  # an MLP of three layers

@@ -22,8 +22,8 @@ import pytest
 
 import optax_accum
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "_multihost_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = pathlib.Path(__file__).with_name("_multihost_worker.py")
 EXAMPLE = ROOT / "examples" / "multihost.py"
 FAILURE_TIMEOUT_S = 5  # --failure-timeout of the crash run
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""The Flax helpers and `nnx.Optimizer` with sharded parameters (issue 8).
+"""The Flax helpers and `nnx.Optimizer` with sharded parameters.
 
 nnx models carry sharding metadata (``nnx.with_partitioning``) and are built
 under ``jax.set_mesh``: tensor parallel and FSDP on Explicit meshes; linen
@@ -218,7 +218,7 @@ def _embed_loss(model, ids, y):
 def test_nnx_embed_has_aux_device_local_on_explicit_mesh():
     # An nnx.Embed lookup cannot run on a whole sharded micro-batch under an
     # Explicit mesh; device-local, it can. The aux layout must be found
-    # without calling the loss outside the device-local context (issue 10).
+    # without calling the loss outside the device-local context.
     ids = jnp.arange(64) % 16
     y = (jnp.arange(64) * 3) % 16
     ref_model = EmbedNet(nnx.Rngs(0))

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""``python -m optax_accum demo`` end to end, in a subprocess."""
+
+import re
+import subprocess
+import sys
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_end_to_end(tmp_path):
+    out = tmp_path / "plots"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "optax_accum",
+            "demo",
+            "-k",
+            "3",
+            "-b",
+            "8",
+            "--steps",
+            "25",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,  # every benchmark's --quick run, on 2 busy cores
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    rows = {}
+    for name in ("small batch 8", "accumulate 3x8", "microbatch 3x8", "large batch 24"):
+        match = re.search(rf"^{re.escape(name)}\s+(.*)$", text, re.MULTILINE)
+        assert match, text
+        rows[name] = match.group(1).split()
+    # Columns: final loss, test acc, max |Δparam|, ms / update, temp memory.
+    for name in ("accumulate 3x8", "microbatch 3x8"):
+        assert float(rows[name][2]) <= 1e-4
+        # Same parameters as the large batch, so the same loss to 4 decimals.
+        assert rows[name][0] == rows["large batch 24"][0]
+    assert rows["small batch 8"][2] == rows["large batch 24"][2] == "-"
+    # The accumulate run's noise scale, early and at the end.
+    noise = re.search(
+        r"^Gradient noise scale B_simple \(accumulate 3x8, EMA 0.9\): (\d+) "
+        r"examples after update \d+, (\d+) after update 25;",
+        text,
+        re.MULTILINE,
+    )
+    assert noise and int(noise.group(1)) > 0 and int(noise.group(2)) > 0, text
+    for cells in rows.values():
+        loss, acc = float(cells[0]), float(cells[1].rstrip("%"))
+        assert 0 < loss < 2.4  # below chance level, ln(10) = 2.30...
+        assert 10 < acc <= 100
+        assert float(cells[3]) > 0
+        assert cells[-1] == "KiB"
+    png = out / "optax_accum_demo.png"
+    assert f"Wrote the loss curves to {png}" in text
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "OK: the accumulated runs match the large batch 24 run" in text

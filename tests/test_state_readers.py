@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`has_updated` and `find_state` read a state inside what wraps it.
+
+`has_updated` reads `MultiSteps` states and ``nnx.Optimizer.opt_state`` (whose
+arrays Flax wraps in variables); `find_state` hands the inner optimizer's
+state to functions that expect it (schedule-free's evaluation parameters) and
+names the type it did not find.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+from tests.helpers.models import (
+    linear_data,
+    linear_loss,
+    linear_params,
+    train_in_micro_batches,
+)
+
+K = 4
+
+
+def test_has_updated_reads_multisteps_and_nnx_states():
+    nnx = pytest.importorskip("flax.nnx")
+    ms = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+    params = {"a": jnp.zeros(2)}
+    state = ms.init(params)
+    flags = []
+    for _ in range(2):
+        _, state = ms.update({"a": jnp.ones(2)}, state, params)
+        flags.append(bool(optax_accum.has_updated(state)))
+    assert flags == [False, True]
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    grads = nnx.state(model, nnx.Param)
+    for tx in (ms.gradient_transformation(), optax_accum.accumulate(optax.sgd(1), 2)):
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        flags = []
+        for _ in range(2):
+            opt.update(model, grads)
+            flags.append(bool(optax_accum.has_updated(opt.opt_state)))
+        assert flags == [False, True]
+    opt = nnx.Optimizer(model, ms.gradient_transformation(), wrt=nnx.Param)
+    for _ in range(2):
+        opt.update(model, grads)
+    assert bool(ms.has_updated(opt.opt_state))  # nnx's wrapped arrays
+
+
+def test_schedule_free_eval_params_through_find_state():
+    from optax.contrib import ScheduleFreeState, schedule_free_eval_params
+
+    x, y = linear_data(2)
+    make = lambda: optax.contrib.schedule_free_adamw(0.05, warmup_steps=2)
+    tx, ref = optax_accum.accumulate(make(), K), make()
+    params, state = train_in_micro_batches(tx, 5, K, x, y)
+    ref_params = linear_params()
+    ref_state = ref.init(ref_params)
+    for _ in range(5):
+        grad = jax.grad(linear_loss)(ref_params, x, y)
+        u, ref_state = ref.update(grad, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+    # Handed our state, optax's function looks for ScheduleFreeState's fields.
+    with pytest.raises(AttributeError, match="b1"):
+        schedule_free_eval_params(state, params)
+    sf_state = optax_accum.find_state(state, ScheduleFreeState)
+    chex.assert_trees_all_close(
+        schedule_free_eval_params(sf_state, params),
+        schedule_free_eval_params(ref_state, ref_params),
+        rtol=1e-5,
+    )
+
+
+def test_find_state_names_what_it_did_not_find():
+    state = optax_accum.accumulate(optax.adam(1.0), 2).init(linear_params())
+    with pytest.raises(ValueError, match="exactly one ScaleByLionState, found 0"):
+        optax_accum.find_state(state, optax.ScaleByLionState)
