@@ -974,6 +974,7 @@ def measure_peaks(
     queue = list(jobs)
     running: list[tuple] = []  # (key, need, process, stdout, stderr, started)
     results: dict[tuple, dict[str, Any]] = {}
+    started = 0
     with tempfile.TemporaryDirectory() as tmp:
         while queue or running:
             for job in list(running):
@@ -999,8 +1000,8 @@ def measure_peaks(
                 key, spec, need = job
                 if running and pool_bytes is not None and used + need > pool_bytes:
                     continue
-                n = len(results) + len(running)
-                out, err = (os.path.join(tmp, f"{n}.{e}") for e in ("out", "err"))
+                out, err = (os.path.join(tmp, f"{started}.{e}") for e in ("out", "err"))
+                started += 1
                 with open(out, "w") as fo, open(err, "w") as fe:
                     proc = subprocess.Popen(
                         [sys.executable, __file__, "--peak-worker", json.dumps(spec)],

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -351,9 +352,21 @@ def _section_budget(sections: list[Section], i: int, end: float) -> float:
 
 
 def run_device(
-    smoke: bool, budget_s: float, out: str | None, cache_dir: str | None
+    smoke: bool,
+    budget_s: float,
+    out: str | None,
+    cache_dir: str | None,
+    only: list[str] | None = None,
+    threads: int | None = None,
+    workers: int | None = None,
+    command: str = "python benchmarks/run.py --device",
 ) -> int:
-    """The device run (``--device``); see the module docstring."""
+    """The device run (``--device``); see the module docstring.
+
+    ``only``: the names of the sections to run (default all); ``threads`` and
+    ``workers`` replace the config's concurrent compilations and measuring
+    processes; ``command`` is what the report says was run.
+    """
     # Before JAX starts: take device memory as needed, not 75% up front, so
     # that the memory map's measuring processes fit next to this one.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -365,19 +378,42 @@ def run_device(
 
     if smoke:
         jax.config.update("jax_platforms", "cpu")
-    cfg = SMOKE if smoke else DEVICE
+    cfg = dict(SMOKE if smoke else DEVICE)
+    cfg["threads"] = threads or cfg["threads"]
+    cfg["workers"] = workers or cfg["workers"]
     sys.dont_write_bytecode = True  # no __pycache__ in benchmarks/
     bt = _load(BENCHMARKS_DIR / "bench_transformer.py")
     ba = _load(BENCHMARKS_DIR / "bench_accumulate.py")
     bm = _load(BENCHMARKS_DIR / "bench_microbatch.py")
+    own_cache = cache_dir is None
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="optax_accum_jax_cache_")
     bt.use_compilation_cache(cache_dir)
+    try:
+        return _run_sections(
+            smoke, budget_s, out, cache_dir, only, cfg, bt, ba, bm, command
+        )
+    finally:
+        if own_cache:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
+
+def _run_sections(
+    smoke: bool,
+    budget_s: float,
+    out: str | None,
+    cache_dir: str,
+    only: list[str] | None,
+    cfg: dict[str, Any],
+    bt: Any,
+    ba: Any,
+    bm: Any,
+    command: str,
+) -> int:
+    """`run_device`'s sections, with JAX set up and the scripts loaded."""
     info = _device_info()
     stem = _slug(str(info["device"])) + ("_smoke" if smoke else "")
     md_path, json_path = _out_paths(out, RESULTS_DIR, stem)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/run.py --device" + (" --smoke" if smoke else "")
     _log(
         f"{info['device']} ({info['backend']}, {info['device_count']} device(s)), "
         f"jax {info['jax']}, memory limit "
@@ -475,6 +511,12 @@ def run_device(
             cfg["overhead"]["estimate_s"],
         ),
     ]
+    names = [s.name for s in sections]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"error: no section {unknown}; the sections: {names}")
+    if only:
+        sections = [s for s in sections if s.name in only]
     _log(
         "plan: "
         + ", ".join(f"{s.name} ~{s.estimate_s:.0f} s" for s in sections)
@@ -502,7 +544,8 @@ def run_device(
                 if spent
                 else ""
             )
-            + ". Every ratio is the median of interleaved rounds in one process.",
+            + f". Matmul precision: {info['default_matmul_precision'] or 'default'}"
+            ". Every ratio is the median of interleaved rounds in one process.",
             "",
         ]
         summary = [
@@ -562,7 +605,8 @@ def run_device(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/run.py",
-        description="Runs the benchmarks of optax_accum (see the module docstring).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
     parser.add_argument(
@@ -596,6 +640,26 @@ def main(argv: list[str] | None = None) -> int:
         help="with --device: JAX's compilation cache (default: a new temporary folder)",
     )
     parser.add_argument(
+        "--only",
+        default=None,
+        metavar="NAMES",
+        help="with --device: only these sections, comma-separated (accumulate, "
+        "microbatch, memory_map, time_per_token, overhead)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="with --device: concurrent compilations (default 6; 2 with --smoke)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="with --device: concurrent peak-measuring processes (default 4; 2 "
+        "with --smoke)",
+    )
+    parser.add_argument(
         "--out",
         help="a Markdown file (its JSON goes next to it), or with --full and "
         "--device a folder",
@@ -612,7 +676,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         if args.quick or args.full:
             parser.error("--device has its own sizes: no --quick or --full")
-        return run_device(args.smoke, args.budget_s, args.out, args.cache_dir)
+        only = args.only.split(",") if args.only else None
+        # What ran, for the report (where the files went is left out).
+        shown = ["--device", *["--smoke"] * args.smoke]
+        for flag, value in (
+            ("--budget-s", None if args.budget_s == 420 else f"{args.budget_s:g}"),
+            ("--only", args.only),
+            ("--threads", args.threads),
+            ("--workers", args.workers),
+        ):
+            shown += [flag, str(value)] if value is not None else []
+        return run_device(
+            args.smoke,
+            args.budget_s,
+            args.out,
+            args.cache_dir,
+            only=only,
+            threads=args.threads,
+            workers=args.workers,
+            command="python benchmarks/run.py " + " ".join(shown),
+        )
     sys.dont_write_bytecode = True
     return run_scripts(args.quick, args.out, args.benchmarks_dir, full=args.full)
 
