@@ -972,14 +972,14 @@ def measure_peaks(
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     queue = list(jobs)
-    running: list[tuple] = []  # (key, need, process, stdout, stderr, started)
+    running: list[tuple] = []  # (key, need, process, stdout, stderr, start time)
     results: dict[tuple, dict[str, Any]] = {}
-    started = 0
+    launched = 0
     with tempfile.TemporaryDirectory() as tmp:
         while queue or running:
             for job in list(running):
-                key, _, proc, out, err, started = job
-                if proc.poll() is None and time.monotonic() - started < timeout_s:
+                key, _, proc, out, err, t0 = job
+                if proc.poll() is None and time.monotonic() - t0 < timeout_s:
                     continue
                 if proc.poll() is None:
                     proc.kill()
@@ -993,15 +993,18 @@ def measure_peaks(
                 for key, _, _ in queue:
                     results[key] = {"status": "skipped: time budget"}
                 queue = []
-            used = sum(job[1] for job in running)
-            for job in list(queue):
-                if len(running) >= max_workers:
-                    break
+            admit = _admissible(
+                [job[2] for job in queue],
+                [job[1] for job in running],
+                max_workers,
+                pool_bytes,
+            )
+            for job in [queue[i] for i in admit]:
                 key, spec, need = job
-                if running and pool_bytes is not None and used + need > pool_bytes:
-                    continue
-                out, err = (os.path.join(tmp, f"{started}.{e}") for e in ("out", "err"))
-                started += 1
+                out, err = (
+                    os.path.join(tmp, f"{launched}.{e}") for e in ("out", "err")
+                )
+                launched += 1
                 with open(out, "w") as fo, open(err, "w") as fe:
                     proc = subprocess.Popen(
                         [sys.executable, __file__, "--peak-worker", json.dumps(spec)],
@@ -1011,9 +1014,27 @@ def measure_peaks(
                     )
                 running.append((key, need, proc, out, err, time.monotonic()))
                 queue.remove(job)
-                used += need
             time.sleep(0.05)
     return results
+
+
+def _admissible(
+    queued: list[int], running: list[int], max_workers: int, pool: int | None
+) -> list[int]:
+    """Which queued jobs (by their bytes) start now, first fit in queue order.
+
+    At most ``max_workers`` run; with a ``pool``, the running jobs' bytes stay
+    within it, except that a job starts alone whatever its size.
+    """
+    chosen, used, n = [], sum(running), len(running)
+    for i, need in enumerate(queued):
+        if n >= max_workers:
+            break
+        if n and pool is not None and used + need > pool:
+            continue
+        chosen.append(i)
+        used, n = used + need, n + 1
+    return chosen
 
 
 def _worker_result(returncode: int, out: str, err: str) -> dict[str, Any]:
@@ -1061,6 +1082,7 @@ def memory_map(
     workers: int,
     worker_timeout_s: float,
     cache_dir: str | None,
+    pool_bytes: int | None = None,
     deadline: float | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -1069,7 +1091,9 @@ def memory_map(
     For remat x compute dtype x k at a fixed micro-batch: the compiled
     estimate here (`optax_accum.compiled_memory_bytes`), the measured peak in a
     fresh process per variant (`peak_worker`; the persistent compilation
-    cache in ``cache_dir`` spares it the compilation).
+    cache in ``cache_dir`` spares it the compilation). The processes share
+    ``pool_bytes`` of device memory (default: 90% of what the device's limit
+    leaves beside this process; unbounded where the backend reports none).
     """
     keys = [("microbatch", r, d, k, micro) for r in remats for d in dtypes for k in ks]
     start = time.perf_counter()
@@ -1077,8 +1101,8 @@ def memory_map(
     bench.add_many(keys, threads, deadline)
     compile_s = time.perf_counter() - start
     stats = memory_stats()
-    pool = None
-    if "bytes_limit" in stats:  # what this process holds is not for workers
+    pool = pool_bytes
+    if pool is None and "bytes_limit" in stats:  # not what this process holds
         held = stats.get("pool_bytes", stats.get("bytes_in_use", 0))
         pool = int(0.9 * (stats["bytes_limit"] - held))
     platform = "cpu" if jax.default_backend() == "cpu" else None

@@ -138,6 +138,9 @@ SMOKE: dict[str, Any] = {
             "dtypes": ("bf16",),
             "ks": (2,),
             "micro": 2,
+            # The CPU reports no memory: a pool that fits both processes
+            # (1 GiB + the step each), to run the GPU's admission code.
+            "pool_bytes": 3 * 2**30,
         },
         "estimate_s": 20,
     },

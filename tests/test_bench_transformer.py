@@ -124,3 +124,13 @@ def test_planner_gives_both_spellings_of_the_size():
     assert plan["microbatch_size"] == plan["micro_batch_size"] >= 1
     assert plan["memory_bytes"] <= 40_000
     assert "error" in bt._planner(step, w, None, jnp.zeros(16), 64, 10, 64)
+
+
+def test_peak_workers_start_first_fit_within_the_pool():
+    bt = _load_bench()
+    assert bt._admissible([50, 30, 20], [60], 4, 100) == [1]
+    assert bt._admissible([50, 30, 20], [], 4, 100) == [0, 1, 2]
+    assert bt._admissible([50, 30, 20], [], 2, 100) == [0, 1]
+    assert bt._admissible([150, 10], [], 4, 100) == [0]  # alone, whatever its size
+    assert bt._admissible([150, 10], [], 4, None) == [0, 1]
+    assert bt._admissible([10], [1, 1], 2, None) == []
