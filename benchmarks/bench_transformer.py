@@ -1379,9 +1379,15 @@ def _timing_table(rows: list[dict[str, Any]], plain_name: str) -> list[str]:
         f"| µs / token | tokens / s | time vs {plain_name} | compiled peak (GiB) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    names = {
+        "full": "plain step",
+        "microbatch": "`microbatch` (1 call)",
+        "accumulate": "`accumulate` (k calls)",
+    }
     for r in rows:
         head = (
-            f"| `{r['step']}` | {r['remat']} | {r['k']} | {r['micro_batch']} "
+            f"| {names.get(r['step'], r['step'])} | {r['remat']} | {r['k']} "
+            f"| {r['micro_batch']} "
             f"| {r['tokens_per_update']:,} "
         )
         if r["status"] != "ok":

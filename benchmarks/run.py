@@ -27,7 +27,8 @@
 
   A section starts only if its estimated time fits in what is left of the
   budget; the output says which did not. ``--smoke`` runs the same code on a
-  tiny config on the CPU, in seconds (``tests/integration`` runs it).
+  tiny config on the CPU (about 35 s of CPU time; ``tests/integration`` runs
+  it).
 """
 
 from __future__ import annotations
