@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Fused micro-batch step vs the alternatives: time ratios and temp memory.
+"""Fused micro-batch step vs the alternatives: time ratios and memory.
 
 One process, interleaved rounds, median ratios (absolute CPU times are noise).
 Every variant does one optimizer step (Adam) on the same effective batch of
-``k * micro`` rows of a ReLU MLP. Run ``python benchmarks/bench_microbatch.py``
-(the issue's config: four 1024x1024 layers, micro-batch 256, k = 16) or add
-``--quick`` for a small one. ``run(quick)`` returns the Markdown table.
+``k * micro`` rows of a ReLU MLP: `optax_accum.microbatch`, a hand-written
+``lax.scan``, ``optax.microbatching.microbatch`` (MEAN), the full batch in one
+step, and k calls of `optax_accum.accumulate` and of ``optax.MultiSteps``. Run
+``python benchmarks/bench_microbatch.py`` (four 1024x1024 layers, micro-batch
+256, k = 16) or add ``--quick`` for a small config. `measure` returns the rows
+as data (``config=`` sets other sizes, as ``benchmarks/run.py --device``
+does), `markdown` renders them, ``run(quick)`` returns the Markdown.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from optax import microbatching
 
 import optax_accum
 
-CONFIGS = {
-    False: {"width": 1024, "layers": 4, "micro": 256, "k": 16, "rounds": 5},
-    True: {"width": 256, "layers": 4, "micro": 64, "k": 8, "rounds": 5},
+CONFIGS: dict[str, dict[str, int]] = {
+    "cpu": {"width": 1024, "layers": 4, "micro": 256, "k": 16, "rounds": 5},
+    "quick": {"width": 256, "layers": 4, "micro": 64, "k": 8, "rounds": 5},
 }
+FUSED = "fused `microbatch` + adam (1 jit call)"
 
 
 def _loss(params, x, y):
@@ -84,7 +89,7 @@ def _variants(k: int, micro: int) -> dict[str, tuple[Callable[..., Any], bool]]:
         return step
 
     return {
-        "fused `microbatch` + adam (1 jit call)": (fused, False),
+        FUSED: (fused, False),
         "hand-written `lax.scan` (the floor)": (hand_scan, False),
         "`optax.microbatching.microbatch` (MEAN)": (optax_mb, False),
         "full batch, no accumulation": (full, False),
@@ -108,23 +113,40 @@ def _init_state(name: str, tx_k: int, params: Any) -> Any:
     return tx.init(params)
 
 
-def temp_mib(
-    fun: Callable[..., Any], params: Any, state: Any, rows: int, width: int
-) -> float:
+def _compile(fun: Callable[..., Any], params: Any, state: Any, x: Any, y: Any) -> Any:
     # The optimizer state is an argument, not a closed-over constant: XLA would
-    # otherwise fold the window counters and drop the optimizer branch.
-    x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
-    y = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    # Donated like a real train step's params and optimizer state.
-    compiled = jax.jit(fun, donate_argnums=(0, 1)).lower(params, state, x, y).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+    # otherwise fold the window counters and drop the optimizer branch. Params
+    # and optimizer state are donated, as in a real train step.
+    return jax.jit(fun, donate_argnums=(0, 1)).lower(params, state, x, y).compile()
 
 
-def run(quick: bool = False, rounds: int | None = None) -> str:
-    """Runs the benchmark and returns the Markdown table (header included)."""
-    cfg = CONFIGS[quick]
-    width, k, micro = cfg["width"], cfg["k"], cfg["micro"]
-    rounds = rounds or cfg["rounds"]
+def _memory(compiled: Any) -> dict[str, int]:
+    return {
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "peak_bytes": optax_accum.compiled_memory_bytes(compiled),
+    }
+
+
+def measure(
+    quick: bool = False,
+    rounds: int | None = None,
+    config: dict[str, int] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Runs the benchmark; returns its rows and config as a JSON-able dict.
+
+    Args:
+      quick: the small config of `CONFIGS`.
+      rounds: timed rounds (after one warm-up call each), default the config's.
+      config: ``width``, ``layers``, ``micro``, ``k``, ``rounds``; replaces the
+        entry of `CONFIGS`.
+      log: called with a line of progress (default: silent).
+    """
+    cfg = dict(config if config is not None else CONFIGS["quick" if quick else "cpu"])
+    if rounds:
+        cfg["rounds"] = rounds
+    width, k, micro, rounds = cfg["width"], cfg["k"], cfg["micro"], cfg["rounds"]
+    log = log or (lambda _: None)
     keys = jax.random.split(jax.random.key(0), cfg["layers"] + 2)
     params = [
         {
@@ -138,14 +160,16 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
     micro_batches = [(x[i::k], y[i::k]) for i in range(k)]  # microbatch's split
 
     variants = _variants(k, micro)
-    # Params and optimizer state are donated, as in a real train step.
-    steps = {
-        name: jax.jit(fn, donate_argnums=(0, 1)) for name, (fn, _) in variants.items()
-    }
     states = {name: _init_state(name, k, params) for name in variants}
+    compiled, memory = {}, {}
+    for name, (fn, per_micro) in variants.items():
+        xs, ys = micro_batches[0] if per_micro else (x, y)
+        compiled[name] = _compile(fn, params, states[name], xs, ys)
+        memory[name] = _memory(compiled[name])
+    log(f"compiled {len(compiled)} variants")
 
     def time_one(name: str) -> float:
-        step, per_micro = steps[name], variants[name][1]
+        step, per_micro = compiled[name], variants[name][1]
         p, s = jax.tree.map(jnp.copy, (params, states[name]))
         jax.block_until_ready((p, s))
         start = time.perf_counter()
@@ -157,46 +181,93 @@ def run(quick: bool = False, rounds: int | None = None) -> str:
         jax.block_until_ready((p, s))
         return time.perf_counter() - start
 
-    for name in variants:  # compile and warm up
+    for name in variants:  # warm up
         time_one(name)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name in variants:
             times[name].append(time_one(name))
-    fused_name = next(iter(variants))
-    ratios = {
-        name: statistics.median(
-            t / f for t, f in zip(times[name], times[fused_name], strict=True)
-        )
-        for name in variants
-    }
+    log(f"timed {rounds} rounds")
 
-    mem = {}
-    for name, (fn, per_micro) in variants.items():
-        state = states[name]
-        mem[name] = temp_mib(
-            fn, params, state, micro if per_micro else k * micro, width
-        )
+    rows = [
+        {
+            "variant": name,
+            "calls_per_update": k if variants[name][1] else 1,
+            "time_per_update_s": statistics.median(times[name]),
+            "time_vs_fused": statistics.median(
+                t / f for t, f in zip(times[name], times[FUSED], strict=True)
+            ),
+            **memory[name],
+        }
+        for name in variants
+    ]
+    # The fused step's memory against k, at a fixed micro-batch.
+    k_rows = []
+    for kk in sorted({max(1, k // 4), k}):
+        if kk == k:
+            mem = memory[FUSED]
+        else:
+            fn = _variants(kk, micro)[FUSED][0]
+            shape = jax.ShapeDtypeStruct((kk * micro, width), jnp.float32)
+            labels = jax.ShapeDtypeStruct((kk * micro,), jnp.int32)
+            mem = _memory(_compile(fn, params, states[FUSED], shape, labels))
+        k_rows.append({"k": kk, **mem})
 
     n_params = sum(v.size for v in jax.tree.leaves(params))
-    lines = [
-        f"MLP {cfg['layers']}x{width}x{width} ({n_params / 1e6:.1f}M params), "
-        f"micro-batch {micro}, k = {k}, Adam; median of {rounds} interleaved "
-        f"rounds on {jax.devices()[0].platform} "
-        f"(fused step: {statistics.median(times[fused_name]) * 1e3:.0f} ms).",
-        "",
-        "| variant | time / fused | temp memory (MiB) |",
-        "|---|---:|---:|",
-    ]
-    for name in variants:
-        lines.append(f"| {name} | {ratios[name]:.3f} | {mem[name]:.1f} |")
+    device = jax.devices()[0]
+    return {
+        "benchmark": "bench_microbatch",
+        "config": cfg,
+        "params": int(n_params),
+        "optimizer": "adam(1e-3)",
+        "backend": jax.default_backend(),
+        "device": getattr(device, "device_kind", str(device)),
+        "compilations": len(compiled) + len(k_rows) - 1,
+        "rows": rows,
+        "k_rows": k_rows,
+    }
 
-    lines += ["", "| k (micro-batch fixed) | fused temp memory (MiB) |", "|---:|---:|"]
-    for kk in (k // 4, k):
-        fn = _variants(kk, micro)[fused_name][0]
-        mib = temp_mib(fn, params, states[fused_name], kk * micro, width)
-        lines.append(f"| {kk} | {mib:.1f} |")
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The Markdown tables of `measure`'s result."""
+    cfg = data["config"]
+    width = cfg["width"]
+    fused = next(r for r in data["rows"] if r["variant"] == FUSED)
+    lines = [
+        f"MLP {cfg['layers']}x{width}x{width} ({data['params'] / 1e6:.1f}M params), "
+        f"micro-batch {cfg['micro']}, k = {cfg['k']}, {data['optimizer']}; "
+        f"{data['device']} ({data['backend']}), median of {cfg['rounds']} "
+        f"interleaved rounds (fused step: {fused['time_per_update_s'] * 1e3:.1f} "
+        "ms per update). Memory: compiled, of one call (peak = argument + output "
+        "- alias + temp; one micro-batch for the k-call variants).",
+        "",
+        "| variant | time / fused | temp memory (MiB) | peak memory (MiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r['time_vs_fused']:.3f} | {_mib(r['temp_bytes'])} "
+            f"| {_mib(r['peak_bytes'])} |"
+        )
+    lines += [
+        "",
+        "| k (micro-batch fixed) | fused temp memory (MiB) | fused peak (MiB) |",
+        "|---:|---:|---:|",
+    ]
+    for r in data["k_rows"]:
+        lines.append(
+            f"| {r['k']} | {_mib(r['temp_bytes'])} | {_mib(r['peak_bytes'])} |"
+        )
     return "\n".join(lines)
+
+
+def run(quick: bool = False, rounds: int | None = None) -> str:
+    """Runs the benchmark and returns the Markdown tables."""
+    return markdown(measure(quick, rounds))
 
 
 def main(argv: list[str] | None = None) -> int:

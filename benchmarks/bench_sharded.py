@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Sharded parameters (issue 8): time, temp memory and collectives per layout.
+"""Sharded parameters: time, temp memory and collectives per layout.
 
 Config: an MLP of ``depth`` dense layers ``width x width`` (tanh), MSE loss,
 Adam, ``k`` micro-batches per update, on 8 CPU devices with Explicit meshes:
@@ -27,31 +27,28 @@ c. The collectives per update read from the compiled HLO (``tests/_hlo.py``):
    per device vs the parameters'.
 
 Run: ``python benchmarks/bench_sharded.py [--quick] [--rounds N] [--out DIR]``
-(``--layouts hsdp,tp`` for a subset); ``run(quick)`` returns the Markdown.
+(``--layouts hsdp,tp`` for a subset). `measure` returns the results as data
+(in a subprocess with 8 CPU devices when this process has fewer, or another
+backend), `markdown` renders them, ``run(quick)`` returns the Markdown.
+Importing this module changes no JAX setting; run as a script it asks for 8
+CPU devices before JAX starts.
 """
 
 from __future__ import annotations
 
-import os
-
-import jax
-
-try:  # Before any JAX backend starts: 8 CPU devices.
-    jax.config.update("jax_num_cpu_devices", 8)
-    jax.config.update("jax_platforms", "cpu")
-except RuntimeError:  # imported after JAX started: `run` uses a subprocess
-    pass
-
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -550,10 +547,11 @@ def _ratio(x: float | None, iqr: tuple | None = None) -> str:
     return f"{x:.2f}x" + (f" ({iqr[0]:.2f}-{iqr[1]:.2f})" if iqr else "")
 
 
-def targets(results: list) -> list[str]:
-    """The issue's targets, each with its measured value."""
+def targets(results: list, cfg: dict) -> list[str]:
+    """The thresholds the sharded layouts are held to, with the measured values."""
     lines = [
-        "#### Targets (issue 8)",
+        f"#### Targets: {cfg['depth']}x{cfg['width']} MLP, k={cfg['k']}, Adam, "
+        "8 devices",
         "",
         "| target | measured | met |",
         "|---|---|---|",
@@ -603,7 +601,9 @@ def targets(results: list) -> list[str]:
     return lines
 
 
-def report(results: list, cfg: dict, rounds: int) -> str:
+def markdown(data: dict) -> str:
+    """The Markdown report of `measure`'s result."""
+    results, cfg, rounds = data["layouts"], data["config"], data["rounds"]
     width, depth, micro, k = cfg["width"], cfg["depth"], cfg["micro"], cfg["k"]
     n_params = depth * (width * width + width)
     lines = [
@@ -613,7 +613,7 @@ def report(results: list, cfg: dict, rounds: int) -> str:
         "rounds (IQR: 25th-75th percentile of the per-round ratios); temp = "
         "compiled `temp_size_in_bytes` per device.",
         "",
-        *targets(results),
+        *targets(results, cfg),
         "",
         "#### a. `accumulate` vs `optax.MultiSteps` (k jit calls per update)",
         "",
@@ -698,6 +698,69 @@ def report(results: list, cfg: dict, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def _force_cpu_devices() -> bool:
+    """Asks for 8 CPU devices; False if a JAX backend has already started."""
+    try:
+        jax.config.update("jax_num_cpu_devices", 8)
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        return False
+    return True
+
+
+def measure(
+    quick: bool = False,
+    rounds: int | None = None,
+    layouts: str = ",".join(LAYOUTS),
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Runs the benchmark; returns the config and per-layout results as data.
+
+    Needs 8 CPU devices: in a process with fewer (or another backend), it runs
+    this script in a subprocess and reads its JSON.
+    """
+    cfg = CONFIGS[quick]
+    rounds = rounds or cfg["rounds"]
+    log = log or (lambda _: None)
+    if jax.default_backend() != "cpu" or jax.device_count() < 8:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "sharded.json")
+            argv = ["--rounds", str(rounds), "--layouts", layouts, "--json", path]
+            proc = subprocess.run(
+                [sys.executable, __file__, *argv, *["--quick"] * quick],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode:
+                raise RuntimeError(
+                    f"{os.path.basename(__file__)} failed in a subprocess "
+                    f"(status {proc.returncode}):\n{proc.stderr[-4000:]}"
+                )
+            with open(path) as f:
+                return json.load(f)
+    results = []
+    for name in layouts.split(","):
+        t0 = time.perf_counter()
+        results.append(run_layout(LAYOUTS[name], cfg, rounds))
+        log(f"{name}: {time.perf_counter() - t0:.0f} s")
+    return {
+        "benchmark": "bench_sharded",
+        "config": cfg,
+        "rounds": rounds,
+        "devices": jax.device_count(),
+        "layouts": results,
+    }
+
+
+def write(data: dict, out: str) -> None:
+    """Writes ``sharded.md`` and ``sharded.json`` into the folder ``out``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sharded.md"), "w") as f:
+        f.write(markdown(data) + "\n")
+    with open(os.path.join(out, "sharded.json"), "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def run(
     quick: bool = False,
     rounds: int | None = None,
@@ -705,45 +768,32 @@ def run(
     out: str | None = None,
 ) -> str:
     """Runs the benchmark and returns the Markdown (written to ``out`` too)."""
-    cfg = CONFIGS[quick]
-    rounds = rounds or cfg["rounds"]
-    if len(jax.devices()) < 8:  # JAX started before this module: a fresh one
-        argv = ["--rounds", str(rounds), "--layouts", layouts]
-        argv += ["--quick"] * quick + (["--out", out] if out else [])
-        proc = subprocess.run(
-            [sys.executable, __file__, *argv],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return proc.stdout
-    results = []
-    for name in layouts.split(","):
-        t0 = time.perf_counter()
-        results.append(run_layout(LAYOUTS[name], cfg, rounds))
-        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
-    text = report(results, cfg, rounds)
+    data = measure(quick, rounds, layouts)
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "sharded.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(out, "sharded.json"), "w") as f:
-            json.dump(
-                {"config": cfg, "rounds": rounds, "layouts": results}, f, indent=1
-            )
-    return text
+        write(data, out)
+    return markdown(data)
 
 
 def main(argv: list[str] | None = None) -> int:
+    _force_cpu_devices()  # before anything starts JAX
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny config")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument(
         "--out", default=None, help="directory for sharded.md and sharded.json"
     )
+    parser.add_argument("--json", default=None, help="write only the data here")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args(argv)
-    print(run(args.quick, args.rounds, args.layouts, args.out))
+    log = lambda line: print(f"[{line}]", file=sys.stderr, flush=True)
+    data = measure(args.quick, args.rounds, args.layouts, log=log)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+        return 0
+    if args.out:
+        write(data, args.out)
+    print(markdown(data))
     return 0
 
 

@@ -16,7 +16,8 @@ step (one call) and k calls of a step with `optax_accum.accumulate`.
 - Anchors for the targets: a hand-written ``lax.scan`` of the same step, and
   ``optax.MultiSteps`` (k calls).
 - The largest micro-batch (and effective batch) that fits a memory budget,
-  per combination, from `optax_accum.plan_micro_batch`.
+  per combination, from `optax_accum.plan_microbatch` (``plan_micro_batch``
+  before the rename).
 - The small-micro-batch slowdown: time per token against the micro-batch size
   at a fixed effective batch.
 
@@ -31,11 +32,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
+import math
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +159,7 @@ class Variant:
         )
         self.per_micro = mode in ("accumulate", "multisteps")
         self.compiled: Any = None
+        self.compile_seconds = 0.0
         self.memory: dict[str, int] = {}
 
     @property
@@ -234,19 +242,27 @@ def _nbytes(tree: Any) -> int:
 
 
 class Bench:
-    """Compiles the variants once, measures memory, times them interleaved."""
+    """Compiles the variants once, measures memory, times them interleaved.
+
+    ``sizes`` needs ``preset`` (and may have ``changes``) of `gpt.preset`; the
+    optimizer states are made on first use, one per kind of step.
+    """
 
     def __init__(self, sizes: dict[str, Any], log: Callable[[str], None] = print):
         self.sizes, self.log = sizes, log
         self.cfg = gpt.preset(sizes["preset"], **sizes.get("changes", {}))
         self.params = gpt.init_params(self.cfg)
-        self.states = {
-            kind: _init_state(kind, self.params)
-            for kind in ("adamw", "accumulate", "multisteps")
-        }
+        self.states: dict[str, Any] = {}
         self.variants: dict[tuple, Variant] = {}
         self.kinds: dict[tuple, str] = {}
         self.batches: dict[int, Any] = {}
+        self.compilations = 0
+
+    def state(self, kind: str) -> Any:
+        """The optimizer state of a kind of step (``adamw``, ``accumulate``...)."""
+        if kind not in self.states:
+            self.states[kind] = _init_state(kind, self.params)
+        return self.states[kind]
 
     def batch(self, rows: int) -> Any:
         if rows not in self.batches:
@@ -263,15 +279,46 @@ class Bench:
         return [jax.tree.map(lambda x, i=i: x[i :: v.k], batch) for i in range(v.k)]
 
     def add(self, mode: str, remat: str, dtype: str, k: int, micro: int) -> Variant:
-        v = Variant(mode, remat, dtype, k, micro)
-        if v.key in self.variants:
-            return self.variants[v.key]
-        fn, kind = _step_fn(v, self.cfg)
-        state = self.states[kind]
-        example = self.inputs(v)[0]
-        start = time.perf_counter()
-        lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(self.params, state, example)
-        v.compiled = lowered.compile()
+        return self.add_many([(mode, remat, dtype, k, micro)])[0]
+
+    def add_many(
+        self, keys: list[tuple], threads: int = 1, deadline: float | None = None
+    ) -> list[Variant]:
+        """Compiles the variants of ``keys``, ``(mode, remat, dtype, k, micro)``.
+
+        Each is lowered here, then compiled in a pool of ``threads`` threads
+        (XLA releases the GIL while it compiles), so the next lowering overlaps
+        the compilations. After ``deadline`` (a `time.monotonic` value) no new
+        variant is lowered. Returns the variants of ``keys`` that exist.
+        """
+        keys = [tuple(key) for key in keys]
+        todo = list(dict.fromkeys(k for k in keys if k not in self.variants))
+
+        def compile_(lowered: Any) -> tuple[Any, float]:
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            return compiled, time.perf_counter() - start
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            futures = {}
+            for key in todo:
+                if deadline is not None and time.monotonic() > deadline:
+                    self.log(f"not compiled (time budget): {len(todo) - len(futures)}")
+                    break
+                v = Variant(*key)
+                fn, kind = _step_fn(v, self.cfg)
+                example = self.inputs(v)[0]
+                lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(
+                    self.params, self.state(kind), example
+                )
+                futures[pool.submit(compile_, lowered)] = (v, kind)
+            for future in as_completed(futures):
+                v, kind = futures[future]
+                v.compiled, v.compile_seconds = future.result()
+                self._record(v, kind)
+        return [self.variants[k] for k in keys if k in self.variants]
+
+    def _record(self, v: Variant, kind: str) -> None:
         stats = v.compiled.memory_analysis()
         v.memory = {
             "peak": optax_accum.compiled_memory_bytes(v.compiled),
@@ -279,14 +326,14 @@ class Bench:
             "argument": int(stats.argument_size_in_bytes),
             "output": int(stats.output_size_in_bytes),
             "alias": int(stats.alias_size_in_bytes),
-            "state": _nbytes((self.params, state)),
+            "state": _nbytes((self.params, self.state(kind))),
         }
         self.log(
-            f"compiled {v.key} in {time.perf_counter() - start:.1f} s: "
+            f"compiled {v.key} in {v.compile_seconds:.1f} s: "
             f"peak {v.memory['peak'] / MiB:.1f} MiB"
         )
         self.variants[v.key], self.kinds[v.key] = v, kind
-        return v
+        self.compilations += 1
 
     def time_once(self, v: Variant) -> float:
         p, s = jax.tree.map(jnp.copy, (self.params, self.states[self.kinds[v.key]]))
@@ -317,31 +364,64 @@ def _ratio(times: dict, key: tuple, anchor: tuple) -> float:
     )
 
 
+def _planner(
+    step: Callable[..., Any],
+    params: Any,
+    state: Any,
+    example: Any,
+    target: int,
+    budget: int | None,
+    max_size: int,
+) -> dict:
+    """`optax_accum.plan_microbatch` (or its older name ``plan_micro_batch``).
+
+    Returns the plan as a dict with the size under both spellings,
+    ``microbatch_size`` and ``micro_batch_size``, or ``{"error": ...}`` if even
+    the smallest size does not fit.
+    """
+    plan_fn = (
+        getattr(optax_accum, "plan_microbatch", None) or optax_accum.plan_micro_batch
+    )
+    names = inspect.signature(plan_fn).parameters
+    max_kw = next(
+        (n for n in ("max_microbatch_size", "max_micro_batch_size") if n in names),
+        None,
+    )
+    kwargs = {max_kw: max_size} if max_kw else {}
+    try:
+        plan = plan_fn(
+            step, params, state, example, target, memory_budget=budget, **kwargs
+        )
+    except ValueError as e:  # even one sequence does not fit
+        return {"error": str(e)}
+    out = plan._asdict()
+    size = out.get("microbatch_size", out.get("micro_batch_size"))
+    return {**out, "microbatch_size": size, "micro_batch_size": size}
+
+
+def _plan_size(plan: dict) -> int:
+    return plan.get("microbatch_size", plan.get("micro_batch_size"))
+
+
 def _plan(bench: Bench, remat: str, dtype: str, budget: int | None) -> dict:
     """The largest micro-batch of an `accumulate` step under the budget."""
     v = Variant("accumulate", remat, dtype, 1, 1)
     fn, kind = _step_fn(v, bench.cfg)
-    step = jax.jit(fn, donate_argnums=(0, 1))
-    target = bench.sizes["plan_target"]
-    try:
-        plan = optax_accum.plan_micro_batch(
-            step,
-            bench.params,
-            bench.states[kind],
-            gpt.example(bench.cfg),
-            target,
-            memory_budget=budget,
-            max_micro_batch_size=bench.sizes["plan_max"],
-        )
-    except ValueError as e:  # even one sequence does not fit
-        return {"error": str(e)}
-    return plan._asdict()
+    return _planner(
+        jax.jit(fn, donate_argnums=(0, 1)),
+        bench.params,
+        bench.state(kind),
+        gpt.example(bench.cfg),
+        bench.sizes["plan_target"],
+        budget,
+        bench.sizes["plan_max"],
+    )
 
 
 def measure(
     quick: bool = False,
     rounds: int | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
     sizes: dict[str, Any] | None = None,
 ) -> dict:
     """Runs the benchmark; returns every number as a JSON-able dict.
@@ -350,6 +430,7 @@ def measure(
     """
     sizes = dict(sizes) if sizes is not None else sizes_for(quick)
     rounds = rounds or sizes["rounds"]
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     bench = Bench(sizes, log)
     micro = sizes["micro"]
     start = time.perf_counter()
@@ -514,19 +595,15 @@ def _plan_full(bench: Bench, budget: int | None) -> dict:
     """The largest plain full batch (no accumulation, f32, no remat) that fits."""
     v = Variant("full", "none", "f32", 1, 1)
     fn, kind = _step_fn(v, bench.cfg)
-    try:
-        plan = optax_accum.plan_micro_batch(
-            jax.jit(fn, donate_argnums=(0, 1)),
-            bench.params,
-            bench.states[kind],
-            gpt.example(bench.cfg),
-            bench.sizes["plan_target"],
-            memory_budget=budget,
-            max_micro_batch_size=bench.sizes["plan_max"],
-        )
-    except ValueError as e:
-        return {"error": str(e)}
-    return plan._asdict()
+    return _planner(
+        jax.jit(fn, donate_argnums=(0, 1)),
+        bench.params,
+        bench.state(kind),
+        gpt.example(bench.cfg),
+        bench.sizes["plan_target"],
+        budget,
+        bench.sizes["plan_max"],
+    )
 
 
 def _mib(x: float) -> str:
@@ -653,7 +730,7 @@ def markdown(data: dict) -> str:
     lines += [
         "",
         f"Largest micro-batch under a budget of "
-        f"{_mib(budget) if budget else '?'} MiB (`plan_micro_batch` on the "
+        f"{_mib(budget) if budget else '?'} MiB (the planner on the "
         f"`accumulate` step, candidates dividing {data['sizes']['plan_target']}):",
         "",
         "| remat | compute | micro-batch (sequences) | its peak (MiB) | effective "
@@ -666,15 +743,15 @@ def markdown(data: dict) -> str:
             lines.append(f"| {p['remat']} | {p['dtype']} | none fits | - | - |")
             continue
         lines.append(
-            f"| {p['remat']} | {p['dtype']} | {plan['micro_batch_size']} | "
-            f"{_mib(plan['memory_bytes'])} | {16 * plan['micro_batch_size']} |"
+            f"| {p['remat']} | {p['dtype']} | {_plan_size(plan)} | "
+            f"{_mib(plan['memory_bytes'])} | {16 * _plan_size(plan)} |"
         )
     fp = data["plan_full_batch_f32"]
     if fp and "error" not in fp:
         lines += [
             "",
             f"Without accumulation (f32, no remat) the largest batch that fits is "
-            f"{fp['micro_batch_size']} sequences ({_mib(fp['memory_bytes'])} MiB).",
+            f"{_plan_size(fp)} sequences ({_mib(fp['memory_bytes'])} MiB).",
         ]
     sw = data["sweep"]
     lines += [
@@ -772,6 +849,11 @@ def write(data: dict, out_dir: Path) -> list[Path]:
     return [md, js, png]
 
 
+def write_full(data: dict, out_dir: Path) -> list[Path]:
+    """For ``benchmarks/run.py --full``: `write` into ``out_dir``."""
+    return write(data, Path(out_dir))
+
+
 def targets_only(sizes: dict[str, Any]) -> dict[str, Any]:
     """``sizes`` cut to the targets' variants at the largest target k."""
     k = max(sizes["target_ks"])
@@ -802,6 +884,559 @@ def run(quick: bool = False, rounds: int | None = None, out_dir=None) -> str:
     return run_full(quick, out_dir, rounds)[0]
 
 
+# ------------------------------------------------- sections of run.py --device
+#
+# `benchmarks/run.py --device` calls these with device-sized arguments (and
+# `--smoke` with tiny ones, on the CPU). Each returns JSON-able data with its
+# rows; the `markdown_*` functions render them.
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """``device.memory_stats()``, or ``{}`` where the backend reports none."""
+    device = device if device is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return {}
+    return dict(stats or {})
+
+
+def use_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache in ``path``, for every compilation.
+
+    The memory map compiles each variant here and again in a fresh process
+    that measures its peak; with the cache, that process loads the compiled
+    program instead of compiling it again.
+    """
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def peak_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One variant's measured peak, in a process that runs nothing else.
+
+    The allocator's peak cannot be reset, so each variant gets a fresh
+    process: it makes the parameters, the optimizer state of the step's kind
+    and the batch, runs one update (k calls for `accumulate`) with donated
+    state, and reads ``peak_bytes_in_use`` from ``memory_stats()`` (None where
+    the backend reports none, e.g. the CPU). ``spec``: ``preset``, ``changes``,
+    ``key`` (`Variant` arguments), and optionally ``platform`` and
+    ``cache_dir``.
+    """
+    start = time.perf_counter()
+    if spec.get("platform"):
+        jax.config.update("jax_platforms", spec["platform"])
+    if spec.get("cache_dir"):
+        use_compilation_cache(spec["cache_dir"])
+    sizes = {"preset": spec["preset"], "changes": spec.get("changes", {})}
+    bench = Bench(sizes, log=lambda _: None)
+    v = bench.add(*spec["key"])
+    p, s = bench.params, bench.states[bench.kinds[v.key]]
+    inputs = bench.inputs(v)
+    jax.block_until_ready((p, s, inputs))
+    before = memory_stats()
+    for b in inputs:
+        p, s = v.compiled(p, s, b)
+    jax.block_until_ready((p, s))
+    after = memory_stats()
+    return {
+        "key": list(v.key),
+        "compiled_peak_bytes": v.memory["peak"],
+        "measured_peak_bytes": after.get("peak_bytes_in_use"),
+        "peak_before_step_bytes": before.get("peak_bytes_in_use"),
+        "in_use_before_step_bytes": before.get("bytes_in_use"),
+        "bytes_limit": after.get("bytes_limit"),
+        "compile_s": v.compile_seconds,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def measure_peaks(
+    jobs: list[tuple[tuple, dict[str, Any], int]],
+    *,
+    pool_bytes: int | None,
+    max_workers: int,
+    timeout_s: float,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[tuple, dict[str, Any]]:
+    """Runs `peak_worker` for each ``(key, spec, need_bytes)``, in parallel.
+
+    Workers run at most ``max_workers`` at a time and, with ``pool_bytes``,
+    only while the ``need_bytes`` of the running ones fit in it (a job that
+    fits nowhere runs alone). None starts after ``deadline``. Every worker
+    gets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, so it takes only what it
+    uses. Returns key -> the worker's result, or ``{"status": ...}``.
+    """
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    queue = list(jobs)
+    running: list[tuple] = []  # (key, need, process, stdout, stderr, start time)
+    results: dict[tuple, dict[str, Any]] = {}
+    launched = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        while queue or running:
+            for job in list(running):
+                key, _, proc, out, err, t0 = job
+                if proc.poll() is None and time.monotonic() - t0 < timeout_s:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    results[key] = {"status": f"error: timed out after {timeout_s} s"}
+                else:
+                    results[key] = _worker_result(proc.returncode, out, err)
+                running.remove(job)
+                log(f"peak of {key}: {_describe_peak(results[key])}")
+            if deadline is not None and time.monotonic() > deadline:
+                for key, _, _ in queue:
+                    results[key] = {"status": "skipped: time budget"}
+                queue = []
+            admit = _admissible(
+                [job[2] for job in queue],
+                [job[1] for job in running],
+                max_workers,
+                pool_bytes,
+            )
+            for job in [queue[i] for i in admit]:
+                key, spec, need = job
+                out, err = (
+                    os.path.join(tmp, f"{launched}.{e}") for e in ("out", "err")
+                )
+                launched += 1
+                with open(out, "w") as fo, open(err, "w") as fe:
+                    proc = subprocess.Popen(
+                        [sys.executable, __file__, "--peak-worker", json.dumps(spec)],
+                        stdout=fo,
+                        stderr=fe,
+                        env=env,
+                    )
+                running.append((key, need, proc, out, err, time.monotonic()))
+                queue.remove(job)
+            time.sleep(0.05)
+    return results
+
+
+def _admissible(
+    queued: list[int], running: list[int], max_workers: int, pool: int | None
+) -> list[int]:
+    """Which queued jobs (by their bytes) start now, first fit in queue order.
+
+    At most ``max_workers`` run; with a ``pool``, the running jobs' bytes stay
+    within it, except that a job starts alone whatever its size.
+    """
+    chosen, used, n = [], sum(running), len(running)
+    for i, need in enumerate(queued):
+        if n >= max_workers:
+            break
+        if n and pool is not None and used + need > pool:
+            continue
+        chosen.append(i)
+        used, n = used + need, n + 1
+    return chosen
+
+
+def _worker_result(returncode: int, out: str, err: str) -> dict[str, Any]:
+    with open(out) as f:
+        lines = [line for line in f.read().splitlines() if line.startswith("{")]
+    if returncode == 0 and lines:
+        return {"status": "ok", **json.loads(lines[-1])}
+    with open(err) as f:
+        tail = [line for line in f.read().splitlines() if line.strip()][-3:]
+    return {"status": f"error: exit status {returncode}: {' / '.join(tail)}"}
+
+
+def _describe_peak(result: dict[str, Any]) -> str:
+    if result.get("status") != "ok":
+        return result.get("status", "?")
+    peak = result.get("measured_peak_bytes")
+    measured = "not reported" if peak is None else f"{peak / MiB:,.1f} MiB"
+    return (
+        f"measured {measured}, compiled {result['compiled_peak_bytes'] / MiB:,.1f} "
+        f"MiB ({result['seconds']:.1f} s)"
+    )
+
+
+def _variant_row(bench: Bench, key: tuple) -> dict[str, Any]:
+    mode, remat, dtype, k, micro = key
+    return {
+        "step": mode,
+        "remat": remat,
+        "dtype": dtype,
+        "k": k,
+        "micro_batch": micro,
+        "batch": k * micro,
+        "tokens_per_update": k * micro * bench.cfg.seq_len,
+    }
+
+
+def memory_map(
+    bench: Bench,
+    *,
+    remats: tuple[str, ...],
+    dtypes: tuple[str, ...],
+    ks: tuple[int, ...],
+    micro: int,
+    threads: int,
+    workers: int,
+    worker_timeout_s: float,
+    cache_dir: str | None,
+    pool_bytes: int | None = None,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The fused `microbatch` step's memory: compiled estimate and measured peak.
+
+    For remat x compute dtype x k at a fixed micro-batch: the compiled
+    estimate here (`optax_accum.compiled_memory_bytes`), the measured peak in a
+    fresh process per variant (`peak_worker`; the persistent compilation
+    cache in ``cache_dir`` spares it the compilation). The processes share
+    ``pool_bytes`` of device memory (default: 90% of what the device's limit
+    leaves beside this process; unbounded where the backend reports none).
+    """
+    keys = [("microbatch", r, d, k, micro) for r in remats for d in dtypes for k in ks]
+    start = time.perf_counter()
+    n0 = bench.compilations
+    bench.add_many(keys, threads, deadline)
+    compile_s = time.perf_counter() - start
+    stats = memory_stats()
+    pool = pool_bytes
+    if pool is None and "bytes_limit" in stats:  # not what this process holds
+        held = stats.get("pool_bytes", stats.get("bytes_in_use", 0))
+        pool = int(0.9 * (stats["bytes_limit"] - held))
+    platform = "cpu" if jax.default_backend() == "cpu" else None
+    jobs = []
+    for key in keys:
+        if key in bench.variants:
+            spec = {
+                "preset": bench.sizes["preset"],
+                "changes": bench.sizes.get("changes", {}),
+                "key": list(key),
+                "platform": platform,
+                "cache_dir": cache_dir,
+            }
+            # The CUDA context and the init's buffers come on top of the step.
+            need = int(1.15 * bench.variants[key].memory["peak"]) + 2**30
+            jobs.append((key, spec, need))
+    peaks = measure_peaks(
+        jobs,
+        pool_bytes=pool,
+        max_workers=workers,
+        timeout_s=worker_timeout_s,
+        deadline=deadline,
+        log=log,
+    )
+    rows = []
+    for key in keys:
+        row = _variant_row(bench, key)
+        if key not in bench.variants:
+            rows.append({**row, "status": "skipped: time budget"})
+            continue
+        mem = bench.variants[key].memory
+        peak = peaks.get(key, {"status": "skipped: time budget"})
+        measured = peak.get("measured_peak_bytes")
+        rows.append(
+            {
+                **row,
+                "status": peak["status"],
+                "compiled_peak_bytes": mem["peak"],
+                "compiled_temp_bytes": mem["temp"],
+                "state_bytes": mem["state"],
+                "measured_peak_bytes": measured,
+                "measured_vs_compiled": (
+                    measured / mem["peak"] if measured is not None else None
+                ),
+                "peak_before_step_bytes": peak.get("peak_before_step_bytes"),
+                "worker_seconds": peak.get("seconds"),
+                # Near 0 where the compilation cache served the worker.
+                "worker_compile_seconds": peak.get("compile_s"),
+            }
+        )
+    return {
+        "model": _model_info(bench),
+        "optimizer": "adamw(3e-4, weight_decay=0.1)",
+        "micro_batch": micro,
+        "memory_stats_available": "peak_bytes_in_use" in stats,
+        "worker_pool_bytes": pool,
+        "compilations": bench.compilations - n0,
+        "compile_seconds": compile_s,
+        "rows": rows,
+    }
+
+
+def _model_info(bench: Bench) -> dict[str, Any]:
+    return {
+        "preset": bench.sizes["preset"],
+        "config": {
+            f: getattr(bench.cfg, f)
+            for f in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+        },
+        "params": gpt.num_params(bench.params),
+    }
+
+
+def _fits(bench: Bench, key: tuple, log: Callable[[str], None]) -> bool:
+    limit = memory_stats().get("bytes_limit")
+    if limit is not None and bench.variants[key].memory["peak"] > 0.9 * limit:
+        log(f"not timed (peak over 90% of the device's memory): {key}")
+        return False
+    return True
+
+
+def _timing_rows(
+    bench: Bench, keys: list[tuple], times: dict, anchor: tuple | None
+) -> list[dict[str, Any]]:
+    rows = []
+    for key in keys:
+        row = _variant_row(bench, key)
+        if key not in times:
+            rows.append({**row, "status": "not timed"})
+            continue
+        seconds = statistics.median(times[key])
+        ratio = _ratio(times, key, anchor) if anchor in times else None
+        rows.append(
+            {
+                **row,
+                "status": "ok",
+                "seconds_per_update": seconds,
+                "us_per_token": 1e6 * seconds / row["tokens_per_update"],
+                "tokens_per_s": row["tokens_per_update"] / seconds,
+                "time_vs_plain": ratio,
+                "compiled_peak_bytes": bench.variants[key].memory["peak"],
+            }
+        )
+    return rows
+
+
+def time_per_token(
+    bench: Bench,
+    *,
+    remats: tuple[str, ...],
+    dtype: str,
+    k: int,
+    micro: int,
+    rounds: int,
+    threads: int,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time per token of the fused step per remat, of `accumulate` (k calls),
+    and of the plain step on the same ``k * micro`` sequences; ratios to the
+    plain step are medians of interleaved rounds."""
+    plain = ("full", "none", dtype, 1, k * micro)
+    keys = [("microbatch", r, dtype, k, micro) for r in remats]
+    keys += [("accumulate", "none", dtype, k, micro), plain]
+    n0 = bench.compilations
+    bench.add_many(keys, threads, deadline)
+    timed = [key for key in keys if key in bench.variants and _fits(bench, key, log)]
+    times = bench.time_all(timed, rounds)
+    return {
+        "model": _model_info(bench),
+        "dtype": dtype,
+        "k": k,
+        "micro_batch": micro,
+        "rounds": rounds,
+        "compilations": bench.compilations - n0,
+        "rows": _timing_rows(bench, keys, times, plain),
+    }
+
+
+def largest_batch(
+    points: list[tuple[int, int]], budget: int, multiple: int, max_batch: int
+) -> int:
+    """The largest multiple of ``multiple`` (<= ``max_batch``) under ``budget``.
+
+    ``points``: ``(batch, compiled peak bytes)``; the peak is taken as linear in
+    the batch through the two largest batches. Returns 0 if none fits.
+    """
+    (b1, m1), (b2, m2) = sorted(points)[-2:]
+    slope = (m2 - m1) / (b2 - b1)
+    if slope <= 0:
+        raise ValueError(f"memory does not grow with the batch: {points}")
+    batch = int((budget - (m2 - slope * b2)) // slope) // multiple * multiple
+    return max(0, min(batch, max_batch // multiple * multiple))
+
+
+def overhead(
+    bench: Bench,
+    *,
+    dtype: str,
+    remat: str,
+    k: int,
+    fit_batches: tuple[int, int],
+    multiple: int,
+    max_batch: int,
+    budget: int,
+    rounds: int,
+    threads: int,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Accumulation's cost over the plain step at the largest batch that fits.
+
+    The batch comes ahead of time from compiled estimates: the plain step at
+    ``fit_batches``, a line through them, the largest multiple of
+    ``lcm(multiple, k)`` under ``budget``, checked by compiling it and the
+    next multiple. Then the plain step, `microbatch` (one call) and
+    `accumulate` (k calls) on that batch in micro-batches of ``batch / k`` are
+    timed in interleaved rounds; the ratios are the medians of the per-round
+    ratios to the plain step.
+    """
+    n0 = bench.compilations
+    step = math.lcm(multiple, k)
+    fit = [("full", remat, dtype, 1, b) for b in fit_batches]
+    bench.add_many(fit, threads, deadline)
+    points = [(key[4], bench.variants[key].memory["peak"]) for key in fit]
+    batch = largest_batch(points, budget, step, max_batch)
+    log(f"largest batch by the fit of {points}: {batch}")
+    checked = False
+    for _ in range(2):
+        if batch < step:
+            raise ValueError(f"no batch fits the budget of {budget:,} bytes: {points}")
+        plain = ("full", remat, dtype, 1, batch)
+        keys = [plain]
+        keys += [("microbatch", remat, dtype, k, batch // k)]
+        keys += [("accumulate", remat, dtype, k, batch // k)]
+        above = ("full", remat, dtype, 1, batch + step)
+        bench.add_many([*keys, above] if batch + step <= max_batch else keys, threads)
+        peak = bench.variants[plain].memory["peak"]
+        points += [(batch, peak)]
+        if peak <= budget:
+            nxt = bench.variants.get(above)
+            checked = nxt is None or nxt.memory["peak"] > budget
+            break
+        log(f"batch {batch}: compiled peak {peak:,} over the budget; refitting")
+        batch = largest_batch(points, budget, step, batch - step)
+    else:
+        raise ValueError(f"no batch under the budget of {budget:,} bytes: {points}")
+    timed = [key for key in keys if _fits(bench, key, log)]
+    times = bench.time_all(timed, rounds)
+    above_v = bench.variants.get(above)
+    return {
+        "model": _model_info(bench),
+        "dtype": dtype,
+        "remat": remat,
+        "k": k,
+        "batch": batch,
+        "budget_bytes": budget,
+        "fit_points": [list(p) for p in points],
+        "next_batch": above[4] if above_v else None,
+        "next_batch_peak_bytes": above_v.memory["peak"] if above_v else None,
+        "largest_checked": checked,
+        "rounds": rounds,
+        "compilations": bench.compilations - n0,
+        "rows": _timing_rows(bench, keys, times, plain),
+    }
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:,.2f}"
+
+
+def _model_line(model: dict[str, Any]) -> str:
+    c = model["config"]
+    return (
+        f"GPT {model['preset']} ({model['params'] / 1e6:.1f}M params, "
+        f"{c['n_layers']} layers, d_model {c['d_model']}, sequence {c['seq_len']}, "
+        f"vocabulary {c['vocab_size']})"
+    )
+
+
+def markdown_memory_map(data: dict[str, Any]) -> str:
+    """The Markdown table of `memory_map`'s result."""
+    lines = [
+        f"{_model_line(data['model'])}, {data['optimizer']}, fused `microbatch` "
+        f"step, micro-batch {data['micro_batch']} sequences. Compiled: argument "
+        "+ output - alias + temp of one call, from `compiled.memory_analysis()`. "
+        "Measured: `peak_bytes_in_use` of `device.memory_stats()` in a fresh "
+        "process that runs one update (the allocator's peak cannot be reset).",
+        "",
+        "| remat | compute | k | tokens / update | compiled peak (GiB) "
+        "| measured peak (GiB) | measured / compiled | state (GiB) | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in data["rows"]:
+        ratio = r.get("measured_vs_compiled")
+        lines.append(
+            f"| {r['remat']} | {r['dtype']} | {r['k']} | {r['tokens_per_update']:,} "
+            f"| {_gib(r.get('compiled_peak_bytes'))} "
+            f"| {_gib(r.get('measured_peak_bytes'))} "
+            f"| {'-' if ratio is None else f'{ratio:.3f}'} "
+            f"| {_gib(r.get('state_bytes'))} | {r['status']} |"
+        )
+    if not data["memory_stats_available"]:
+        lines += [
+            "",
+            "This backend reports no `memory_stats()`: no measured peaks.",
+        ]
+    return "\n".join(lines)
+
+
+def _timing_table(rows: list[dict[str, Any]], plain_name: str) -> list[str]:
+    lines = [
+        "| step | remat | k | micro-batch | tokens / update | time / update (ms) "
+        f"| µs / token | tokens / s | time vs {plain_name} | compiled peak (GiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    names = {
+        "full": "plain step",
+        "microbatch": "`microbatch` (1 call)",
+        "accumulate": "`accumulate` (k calls)",
+    }
+    for r in rows:
+        head = (
+            f"| {names.get(r['step'], r['step'])} | {r['remat']} | {r['k']} "
+            f"| {r['micro_batch']} "
+            f"| {r['tokens_per_update']:,} "
+        )
+        if r["status"] != "ok":
+            lines.append(head + f"| {r['status']} ||||| ")
+            continue
+        ratio = r["time_vs_plain"]
+        lines.append(
+            head + f"| {r['seconds_per_update'] * 1e3:,.1f} | {r['us_per_token']:.3f} "
+            f"| {r['tokens_per_s']:,.0f} "
+            f"| {'-' if ratio is None else f'{ratio:.3f}x'} "
+            f"| {_gib(r['compiled_peak_bytes'])} |"
+        )
+    return lines
+
+
+def markdown_time_per_token(data: dict[str, Any]) -> str:
+    """The Markdown table of `time_per_token`'s result."""
+    lines = [
+        f"{_model_line(data['model'])}, AdamW, compute {data['dtype']}, k = "
+        f"{data['k']} micro-batches of {data['micro_batch']} sequences; median "
+        f"of {data['rounds']} interleaved rounds. Time vs the plain step (no "
+        "accumulation, no remat) on the same sequences.",
+        "",
+        *_timing_table(data["rows"], "plain"),
+    ]
+    return "\n".join(lines)
+
+
+def markdown_overhead(data: dict[str, Any]) -> str:
+    """The Markdown table of `overhead`'s result."""
+    nxt = data["next_batch"]
+    check = (
+        f"batch {nxt} estimates {_gib(data['next_batch_peak_bytes'])} GiB"
+        if nxt
+        else "no larger batch was tried"
+    )
+    lines = [
+        f"{_model_line(data['model'])}, AdamW, compute {data['dtype']}, remat "
+        f"{data['remat']}. Largest plain batch under a budget of "
+        f"{_gib(data['budget_bytes'])} GiB, from compiled estimates: "
+        f"{data['batch']} sequences ({check}"
+        + ("" if data["largest_checked"] else ", also under it: the fit is cautious")
+        + f"). Then k = {data['k']}; median of {data['rounds']} interleaved rounds.",
+        "",
+        *_timing_table(data["rows"], "plain"),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, seconds")
@@ -824,7 +1459,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="only re-render the .md and .png of an earlier run's JSON",
     )
+    parser.add_argument(
+        "--peak-worker",
+        default=None,
+        metavar="JSON",
+        help="(for run.py --device) measure one variant's peak; prints JSON",
+    )
     args = parser.parse_args(argv)
+    if args.peak_worker is not None:
+        print(json.dumps(peak_worker(json.loads(args.peak_worker))))
+        return 0
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.from_json is not None:

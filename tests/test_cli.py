@@ -42,6 +42,7 @@ def test_demo_verdict(diffs, failing, capsys):
         ["demo", "--steps", "-3"],
         ["demo", "--seed", "-1"],
         [],
+        ["bench", "--quick"],  # the benchmarks moved to benchmarks/run.py
     ],
 )
 def test_bad_arguments_exit_with_usage(argv, capsys):

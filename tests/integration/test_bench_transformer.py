@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""``benchmarks/bench_transformer.py`` and ``python -m optax_accum bench --full``.
+"""``benchmarks/bench_transformer.py``.
 
 A smoke run of the transformer benchmark on a tiny model: it checks what the
 benchmark reports (memory relations that hold at any size, the plans, the
-files), never how fast anything was. No test needs an accelerator.
+files), never how fast anything was. No test needs an accelerator. The runner
+(``benchmarks/run.py``) is tested in ``tests/integration/``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-
-from optax_accum.__main__ import main, parse_tables
 
 pytest.importorskip("flax")
 
@@ -95,49 +93,44 @@ def test_tiny_run_reports_and_writes(tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "transformer_cpu.md").read_text()
     assert "| none | f32 | `microbatch` |" in md
-    assert len(parse_tables(md)) >= 4
+    assert md.count("\n|---") >= 4  # the grid, anchors, targets, plans
     stored = json.loads((tmp_path / "transformer_cpu.json").read_text())
     assert stored == json.loads(json.dumps(data))
 
 
-def test_parse_tables():
-    text = "intro\n\n| a | b |\n|---|--:|\n| 1 | 2 |\n| 3 | 4 |\ntext\n| x |\n"
-    assert parse_tables(text) == [[{"a": "1", "b": "2"}, {"a": "3", "b": "4"}]]
+def test_largest_batch_from_two_compiled_estimates():
+    bt = _load_bench()
+    # 100 bytes fixed, 10 per sequence: 995 bytes fit 89 sequences, 88 in 8s.
+    points = [(8, 180), (2, 120), (4, 140)]
+    assert bt.largest_batch(points, 995, multiple=8, max_batch=512) == 88
+    assert bt.largest_batch(points, 995, multiple=1, max_batch=512) == 89
+    assert bt.largest_batch(points, 995, multiple=8, max_batch=50) == 48
+    assert bt.largest_batch(points, 150, multiple=8, max_batch=512) == 0
+    with pytest.raises(ValueError, match="does not grow"):
+        bt.largest_batch([(2, 100), (4, 100)], 995, multiple=1, max_batch=8)
 
 
-def test_bench_full_writes_one_markdown_and_one_json(tmp_path, capsys):
-    bench_dir = tmp_path / "benchmarks"
-    bench_dir.mkdir()
-    (bench_dir / "bench_a_table.py").write_text(
-        "def run(quick):\n    return f'| q |\\n|---|\\n| {quick} |'\n"
-    )
-    (bench_dir / "bench_b_data.py").write_text(
-        textwrap.dedent("""
-        def run(quick):
-            raise AssertionError("bench --full calls run_full")
+def test_planner_gives_both_spellings_of_the_size():
+    import jax
+    import jax.numpy as jnp
 
-        def run_full(quick, out_dir):
-            (out_dir / "b_plot.png").write_bytes(b"png")
-            return "| n |\\n|---|\\n| 7 |", {"n": 7, "quick": quick}
-        """)
-    )
-    status = main(["bench", "--full", "--benchmarks-dir", str(bench_dir)])
-    assert status == 0
-    results = bench_dir / "results"
-    (md_path,) = results.glob("bench_*.md")
-    assert md_path.name == "bench_cpu.md"  # the device's name
-    assert (results / "b_plot.png").is_file()
-    md = md_path.read_text()
-    assert md.startswith("## Benchmarks on cpu (cpu, 8 device(s))")
-    assert "### bench_a_table\n\n| q |\n|---|\n| False |" in md
-    data = json.loads(md_path.with_suffix(".json").read_text())
-    assert data["backend"] == "cpu" and data["device"] == "cpu"
-    assert data["benchmarks"]["bench_a_table"]["tables"] == [[{"q": "False"}]]
-    assert data["benchmarks"]["bench_b_data"] == {"n": 7, "quick": False}
-    assert "Wrote" in capsys.readouterr().out
+    bt = _load_bench()
 
-    out = tmp_path / "elsewhere" / "report.md"
-    argv = ["bench", "--full", "--quick", "--benchmarks-dir", str(bench_dir)]
-    assert main([*argv, "--out", str(out)]) == 0
-    assert "| True |" in out.read_text()
-    assert json.loads(out.with_suffix(".json").read_text())["benchmarks"]
+    def step(w, x):
+        return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    w = jnp.zeros((16, 32))
+    plan = bt._planner(step, w, None, jnp.zeros(16), 64, 40_000, 64)
+    assert plan["microbatch_size"] == plan["micro_batch_size"] >= 1
+    assert plan["memory_bytes"] <= 40_000
+    assert "error" in bt._planner(step, w, None, jnp.zeros(16), 64, 10, 64)
+
+
+def test_peak_workers_start_first_fit_within_the_pool():
+    bt = _load_bench()
+    assert bt._admissible([50, 30, 20], [60], 4, 100) == [1]
+    assert bt._admissible([50, 30, 20], [], 4, 100) == [0, 1, 2]
+    assert bt._admissible([50, 30, 20], [], 2, 100) == [0, 1]
+    assert bt._admissible([150, 10], [], 4, 100) == [0]  # alone, whatever its size
+    assert bt._admissible([150, 10], [], 4, None) == [0, 1]
+    assert bt._admissible([10], [1, 1], 2, None) == []

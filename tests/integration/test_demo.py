@@ -31,7 +31,7 @@ def test_demo_end_to_end(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,  # every benchmark's --quick run, on 2 busy cores
+        timeout=300,  # four short training runs, on 2 busy cores
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
