@@ -17,11 +17,11 @@ several rounds (absolute CPU times are noise):
 a. ``accumulate`` (global view) and ``accumulate`` + ``defer_reduction`` vs
    ``optax.MultiSteps``: time per update (``k`` donated jit calls) and the
    compiled temp memory of one call.
-b. ``microbatch`` under HSDP with ``mesh_axes="data"`` vs a hand-written
+b. ``microbatch`` under HSDP with ``data_axes="data"`` vs a hand-written
    ``lax.scan`` with the same collective pattern (``shard_map`` over
    ``"data"``, FSDP gathers per micro-batch, one ``psum`` after the loop); and
    under FSDP, ``param_gather="per_micro_batch"`` vs ``"once"``.
-c. The collectives per update read from the compiled HLO (``tests/_hlo.py``):
+c. The collectives per update read from the compiled HLO (``tests/helpers/hlo.py``):
    those that cross the ``"data"`` axis and those that do not, per call / in
    the loop and at the boundary / after the loop; and the accumulator's bytes
    per device vs the parameters'.
@@ -58,8 +58,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import _hlo
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tests.helpers import hlo as _hlo
 
 CONFIGS = {
     False: {"width": 512, "depth": 4, "micro": 256, "k": 4, "rounds": 25},
@@ -259,7 +259,7 @@ def k_call_variants(layout: Layout, depth: int, k: int) -> dict:
     }
     if layout.pure:  # FSDP: no axis shards the batch but not the parameters
         out["accumulate + defer_reduction"] = make(
-            optax_accum.accumulate(adam, k, defer_axes=layout.batch), deferred, True
+            optax_accum.accumulate(adam, k, data_axes=layout.batch), deferred, True
         )
     return out
 
@@ -312,7 +312,7 @@ def one_call_variants(layout: Layout, mesh, depth: int, k: int) -> dict:
     """name -> grads(params, x, y): the whole batch in one jit call."""
 
     def mb(**kw):
-        manual = kw.get("mesh_axes") or ()
+        manual = kw.get("data_axes") or ()
         manual = (manual,) if isinstance(manual, str) else manual
         vg = jax.value_and_grad(make_loss(layout, depth, manual=manual))
         fun = optax_accum.microbatch(vg, k, batch_argnums=(1, 2), **kw)
@@ -320,7 +320,7 @@ def one_call_variants(layout: Layout, mesh, depth: int, k: int) -> dict:
 
     out = {"microbatch (global view)": mb()}
     if layout.pure:
-        out['microbatch mesh_axes="data"'] = mb(mesh_axes="data")
+        out['microbatch data_axes="data"'] = mb(data_axes="data")
     if layout.name == "fsdp":
         out['microbatch param_gather="once"'] = mb(param_gather="once")
     out["hand-written scan"] = hand_scan(layout, mesh, depth, k)
@@ -360,7 +360,7 @@ def k_call_grads(layout: Layout, depth: int, defer: bool) -> Callable:
     ``accumulate(sgd(1), 1)`` (whose update is minus the gradient)."""
     loss = make_loss(layout, depth, deferred=defer)
     tx = optax_accum.accumulate(
-        optax.sgd(1.0), 1, defer_axes=layout.batch if defer else None
+        optax.sgd(1.0), 1, data_axes=layout.batch if defer else None
     )
 
     @jax.jit
@@ -573,23 +573,23 @@ def targets(results: list, cfg: dict) -> list[str]:
             t <= 1.0,
         )
         row(f"{name}: `accumulate` temp <= 1.0x optax.MultiSteps", f"{m:.2f}x", m <= 1)
-    e = by.get("hsdp", {}).get("one_call", {}).get('microbatch mesh_axes="data"')
+    e = by.get("hsdp", {}).get("one_call", {}).get('microbatch data_axes="data"')
     if e and "time_vs_scan" in e:
         lo, hi = e["time_vs_scan_iqr"]
         same = e["same_program_as_scan"]
         note = " (the same compiled program)" if same else ""
         row(
-            'hsdp: `microbatch(mesh_axes="data")` time <= 1.05x hand-written scan',
+            'hsdp: `microbatch(data_axes="data")` time <= 1.05x hand-written scan',
             f"{e['time_vs_scan']:.2f}x (IQR {lo:.2f}-{hi:.2f}){note}",
             e["time_vs_scan"] <= 1.05 or same,
         )
         row(
-            'hsdp: `microbatch(mesh_axes="data")` temp <= 1.05x hand-written scan',
+            'hsdp: `microbatch(data_axes="data")` temp <= 1.05x hand-written scan',
             f"{e['temp_vs_scan']:.2f}x{note}",
             e["temp_vs_scan"] <= 1.05,
         )
     for res in results:
-        for name in ("accumulate + defer_reduction", 'microbatch mesh_axes="data"'):
+        for name in ("accumulate + defer_reduction", 'microbatch data_axes="data"'):
             group = res["k_calls"] if name.startswith("acc") else res["one_call"]
             e = group.get(name)
             if not e or "collectives" not in e:

@@ -16,8 +16,7 @@ step (one call) and k calls of a step with `optax_accum.accumulate`.
 - Anchors for the targets: a hand-written ``lax.scan`` of the same step, and
   ``optax.MultiSteps`` (k calls).
 - The largest micro-batch (and effective batch) that fits a memory budget,
-  per combination, from `optax_accum.plan_microbatch` (``plan_micro_batch``
-  before the rename).
+  per combination, from `optax_accum.plan_microbatch`.
 - The small-micro-batch slowdown: time per token against the micro-batch size
   at a fixed effective batch.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -373,34 +371,25 @@ def _planner(
     budget: int | None,
     max_size: int,
 ) -> dict:
-    """`optax_accum.plan_microbatch` (or its older name ``plan_micro_batch``).
-
-    Returns the plan as a dict with the size under both spellings,
-    ``microbatch_size`` and ``micro_batch_size``, or ``{"error": ...}`` if even
-    the smallest size does not fit.
-    """
-    plan_fn = (
-        getattr(optax_accum, "plan_microbatch", None) or optax_accum.plan_micro_batch
-    )
-    names = inspect.signature(plan_fn).parameters
-    max_kw = next(
-        (n for n in ("max_microbatch_size", "max_micro_batch_size") if n in names),
-        None,
-    )
-    kwargs = {max_kw: max_size} if max_kw else {}
+    """`optax_accum.plan_microbatch` as a dict, or ``{"error": ...}`` if even
+    the smallest size does not fit."""
     try:
-        plan = plan_fn(
-            step, params, state, example, target, memory_budget=budget, **kwargs
+        plan = optax_accum.plan_microbatch(
+            step,
+            params,
+            state,
+            example,
+            target,
+            memory_budget=budget,
+            max_microbatch_size=max_size,
         )
     except ValueError as e:  # even one sequence does not fit
         return {"error": str(e)}
-    out = plan._asdict()
-    size = out.get("microbatch_size", out.get("micro_batch_size"))
-    return {**out, "microbatch_size": size, "micro_batch_size": size}
+    return plan._asdict()
 
 
 def _plan_size(plan: dict) -> int:
-    return plan.get("microbatch_size", plan.get("micro_batch_size"))
+    return plan["microbatch_size"]
 
 
 def _plan(bench: Bench, remat: str, dtype: str, budget: int | None) -> dict:

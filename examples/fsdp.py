@@ -158,7 +158,7 @@ def main(argv=None) -> int:
 
         if args.face == "accumulate":
             tx = optax_accum.accumulate(
-                opt, args.k, defer_axes=batch if args.defer else None
+                opt, args.k, data_axes=batch if args.defer else None
             )
             loss = sharded_loss(args.layout, deferred=args.defer)
 
@@ -183,11 +183,11 @@ def main(argv=None) -> int:
             # The device-local loop over the pure data axes (one reduction
             # after it), or the global view where every batch axis shards a
             # parameter (FSDP: its gathers stay per micro-batch).
-            mesh_axes = pure or "auto"
+            data_axes = pure or None
             loss = sharded_loss(args.layout, manual=pure)
             fun = optax_accum.microbatch(
                 jax.value_and_grad(loss), args.k, batch_argnums=(1, 2),
-                mesh_axes=mesh_axes,
+                data_axes=data_axes,
             )  # fmt: skip
 
             @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
             state = jax.jit(opt.init)(params)
             for x, y in zip(xs, ys, strict=True):
                 params, state, grads = step(params, state, place_rows(x), place_rows(y))
-            buffers, label = grads, f"gradients (mesh_axes={mesh_axes!r})"
+            buffers, label = grads, f"gradients (data_axes={data_axes!r})"
 
     expected = jax.device_get(reference(params0, xs, ys))
     print(f"layout {args.layout}: mesh {dict(mesh.shape)}, face {args.face}")

@@ -231,7 +231,7 @@ def functional(
 
 
 def example(cfg: GPTConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """One example (no batch axis), as `optax_accum.plan_micro_batch` wants."""
+    """One example (no batch axis), as `optax_accum.plan_microbatch` wants."""
     t = cfg.seq_len
     return {
         "inputs": jax.ShapeDtypeStruct((t,), jnp.int32),

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 import optax_accum
+import optax_accum.distributed
 
 D, H = 16, 64  # input features, hidden units
 
@@ -95,7 +96,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--local-processes="):
             forward.append(a)
-    run = optax_accum.launch_local(
+    run = optax_accum.distributed.launch_local(
         [sys.executable, os.path.abspath(__file__), *forward],
         args.local_processes,
         cpu_devices_per_process=args.cpu_devices,
@@ -164,7 +165,7 @@ def rows(start: int, stop: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def train(args: argparse.Namespace) -> None:
     launched = "OPTAX_ACCUM_PROCESS_ID" in os.environ  # set by launch_local
     if launched or args.distributed:
-        optax_accum.initialize_distributed(failure_timeout_s=args.failure_timeout)
+        optax_accum.distributed.initialize_distributed(failure_timeout_s=args.failure_timeout)
     else:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 

@@ -269,7 +269,7 @@ print(
 # %% [markdown]
 # ## What fits a given budget?
 #
-# `optax_accum.plan_micro_batch` does this search for you: a binary
+# `optax_accum.plan_microbatch` does this search for you: a binary
 # search over micro-batch sizes, each one compiled ahead of time and never
 # run, so there is no out-of-memory trial on the device. It returns the
 # largest micro-batch size whose step fits the budget and the `k` that
@@ -281,19 +281,19 @@ TARGET = 2**16 if FULL else 8192  # examples per optimizer update
 BUDGET = None if FULL else 24 * MiB  # None: the device's free memory
 
 step, state = accumulate_step(K)  # its memory does not depend on k
-plan = optax_accum.plan_micro_batch(
+plan = optax_accum.plan_microbatch(
     step, params, state, example, TARGET, memory_budget=BUDGET
 )
 print(plan)
 print(
     f"budget {plan.memory_budget / MiB:,.1f} MiB: "
-    f"micro-batches of {plan.micro_batch_size} "
-    f"({plan.memory_bytes / MiB:,.1f} MiB), k = {plan.num_micro_batches}, "
+    f"micro-batches of {plan.microbatch_size} "
+    f"({plan.memory_bytes / MiB:,.1f} MiB), k = {plan.num_microbatches}, "
     f"found with {plan.num_compilations} compilations"
 )
-if plan.next_micro_batch_size is not None:
+if plan.next_microbatch_size is not None:
     print(
-        f"the next size up, {plan.next_micro_batch_size}, "
+        f"the next size up, {plan.next_microbatch_size}, "
         f"needs {plan.next_memory_bytes / MiB:,.1f} MiB"
     )
 
@@ -301,25 +301,25 @@ if plan.next_micro_batch_size is not None:
 # Check the plan against the measurement, and take one real update with it:
 
 # %%
-measured = memory("accumulate", K, plan.micro_batch_size)["peak"]
+measured = memory("accumulate", K, plan.microbatch_size)["peak"]
 assert measured <= plan.memory_budget, (measured, plan.memory_budget)
-if plan.next_micro_batch_size is not None:
-    above = memory("accumulate", K, plan.next_micro_batch_size)["peak"]
+if plan.next_microbatch_size is not None:
+    above = memory("accumulate", K, plan.next_microbatch_size)["peak"]
     assert above > plan.memory_budget, (above, plan.memory_budget)
 whole = memory("microbatch", 1, TARGET)["peak"]
 print(f"the full batch of {TARGET} would need {whole / MiB:,.1f} MiB")
 
-step, state = accumulate_step(plan.num_micro_batches)
+step, state = accumulate_step(plan.num_microbatches)
 p = jax.tree.map(jnp.copy, params)  # the step donates its inputs
-for i in range(plan.num_micro_batches):
+for i in range(plan.num_microbatches):
     k_x, k_y = jax.random.split(jax.random.key(i))
     batch = {
-        "x": jax.random.normal(k_x, (plan.micro_batch_size, DIM)),
-        "y": jax.random.randint(k_y, (plan.micro_batch_size,), 0, CLASSES),
+        "x": jax.random.normal(k_x, (plan.microbatch_size, DIM)),
+        "y": jax.random.randint(k_y, (plan.microbatch_size,), 0, CLASSES),
     }
     p, state = step(p, state, batch)
 assert optax_accum.has_updated(state)
 print(
     f"one update of {plan.effective_batch_size} examples "
-    f"in {plan.num_micro_batches} micro-steps"
+    f"in {plan.num_microbatches} micro-steps"
 )

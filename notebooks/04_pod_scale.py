@@ -38,7 +38,7 @@
 # default it runs in the *global view*: `fun` sees whole micro-batches, which
 # is exact for any `fun` and any layout, but the compiler reduces the
 # gradients across `"data"` inside the loop, once per micro-batch.
-# `microbatch(fun, k, mesh_axes="data")` declares that `fun` treats rows
+# `microbatch(fun, k, data_axes="data")` declares that `fun` treats rows
 # independently (a mean over rows) and runs the loop in `shard_map` over
 # `"data"`, each `"data"` group on its own rows: inside the loop only the FSDP layout's own collectives remain (weight gathers and
 # gradient reductions within an `"fsdp"` group), and one reduction of the
@@ -200,9 +200,9 @@ print("...")
 # ## The gradients equal the full-batch gradients, sharded like the parameters
 #
 # Both forms of `microbatch` against the full batch. With
-# `mesh_axes="data"`, `"data"` is a *Manual* axis inside `fun` (annotations
+# `data_axes="data"`, `"data"` is a *Manual* axis inside `fun` (annotations
 # there must not name it), while `"fsdp"` keeps its Explicit sharding, so the
-# loss's `reshard(w, P())` still gathers over `"fsdp"`. `mesh_axes` may only
+# loss's `reshard(w, P())` still gathers over `"fsdp"`. `data_axes` may only
 # name axes that shard the batch but no parameter: naming `"fsdp"` raises a
 # `ValueError`.
 
@@ -210,13 +210,13 @@ print("...")
 value_and_grad = jax.value_and_grad(loss_fn)
 full_batch = jax.jit(value_and_grad)
 global_view = jax.jit(optax_accum.microbatch(value_and_grad, K))
-device_local = jax.jit(optax_accum.microbatch(value_and_grad, K, mesh_axes="data"))
+device_local = jax.jit(optax_accum.microbatch(value_and_grad, K, data_axes="data"))
 
 loss, grads = full_batch(params, batch)
 print(f"full batch:                    loss {float(loss):.6f}")
 for name, fn in [
     ("microbatch (global view)", global_view),
-    ('microbatch(mesh_axes="data")', device_local),
+    ('microbatch(data_axes="data")', device_local),
 ]:
     micro_loss, micro_grads = fn(params, batch)
     np.testing.assert_allclose(micro_loss, loss, rtol=1e-5)
@@ -228,11 +228,11 @@ print("gradients:", {leaf: str(jax.typeof(g)) for leaf, g in micro_grads.items()
 
 if N_FSDP > 1:
     try:
-        optax_accum.microbatch(value_and_grad, K, mesh_axes=("data", "fsdp"))(
+        optax_accum.microbatch(value_and_grad, K, data_axes=("data", "fsdp"))(
             params, batch
         )
     except ValueError as e:
-        print('mesh_axes=("data", "fsdp"):', e)
+        print('data_axes=("data", "fsdp"):', e)
     else:
         raise AssertionError("naming 'fsdp' must raise")
 
@@ -394,13 +394,13 @@ def collectives(fn):
 
 
 FULL_BATCH, GLOBAL = "full batch", "microbatch (global view)"
-LOCAL, ONCE = 'mesh_axes="data"', '  param_gather="once"'
+LOCAL, ONCE = 'data_axes="data"', '  param_gather="once"'
 variants = {
     FULL_BATCH: value_and_grad,
     GLOBAL: optax_accum.microbatch(value_and_grad, K),
-    LOCAL: optax_accum.microbatch(value_and_grad, K, mesh_axes="data"),
+    LOCAL: optax_accum.microbatch(value_and_grad, K, data_axes="data"),
     ONCE: optax_accum.microbatch(
-        value_and_grad, K, mesh_axes="data", param_gather="once"
+        value_and_grad, K, data_axes="data", param_gather="once"
     ),
 }
 results = {name: collectives(fn) for name, fn in variants.items()}
@@ -436,7 +436,7 @@ for name, (found, temp) in results.items():
 #   across all devices.
 # * **global view** (the default): the same collectives, once per
 #   micro-batch: `k` times the traffic across `"data"`.
-# * **`mesh_axes="data"`**: inside the loop, only the FSDP layout's own
+# * **`data_axes="data"`**: inside the loop, only the FSDP layout's own
 #   collectives, within an `"fsdp"` group: the weight all-gathers (an
 #   optimization barrier keeps them per micro-batch, so one gathered layer
 #   is live at a time, as FSDP promises) and each micro-batch's gradient
@@ -483,7 +483,7 @@ def make_step(grad_fn):
     return step
 
 
-micro_step = make_step(optax_accum.microbatch(value_and_grad, K, mesh_axes="data"))
+micro_step = make_step(optax_accum.microbatch(value_and_grad, K, data_axes="data"))
 large_step = make_step(value_and_grad)
 p_micro, s_micro = params, tx.init(params)
 p_large, s_large = params, tx.init(params)

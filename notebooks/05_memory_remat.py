@@ -313,7 +313,7 @@ for remat, dtype in COMBOS:
 # %% [markdown]
 # ## What fits a budget?
 #
-# `optax_accum.plan_micro_batch` finds the largest micro-batch whose compiled
+# `optax_accum.plan_microbatch` finds the largest micro-batch whose compiled
 # `accumulate` step fits a memory budget (a binary search, each candidate
 # compiled and never run). With `k` micro-batches of it, the effective batch is
 # as large as you like; the table says how large one micro-batch can be, and
@@ -327,26 +327,26 @@ BUDGET = None if FULL else 32 * MiB
 plans = {}
 for remat, dtype in COMBOS:
     step, state = accumulate_step(remat, dtype)
-    plans[remat, dtype] = optax_accum.plan_micro_batch(
+    plans[remat, dtype] = optax_accum.plan_microbatch(
         step,
         params,
         state,
         gpt.example(CFG),
         TARGET,
         memory_budget=BUDGET,
-        max_micro_batch_size=TARGET // 2,  # at least two micro-batches
+        max_microbatch_size=TARGET // 2,  # at least two micro-batches
     )
 budget = next(iter(plans.values())).memory_budget
 print(f"budget {budget / MiB:,.1f} MiB, target {TARGET} sequences per update")
 print(f"{'remat':>5} {'compute':>8} {'micro-batch':>12} {'k':>4} {'peak MiB':>9}")
 for (remat, dtype), plan in plans.items():
     print(
-        f"{remat:>5} {dtype:>8} {plan.micro_batch_size:12d} "
-        f"{plan.num_micro_batches:4d} {plan.memory_bytes / MiB:9.2f}"
+        f"{remat:>5} {dtype:>8} {plan.microbatch_size:12d} "
+        f"{plan.num_microbatches:4d} {plan.memory_bytes / MiB:9.2f}"
     )
 for plan in plans.values():
     assert plan.memory_bytes <= plan.memory_budget
-    assert plan.micro_batch_size * plan.num_micro_batches == TARGET
+    assert plan.microbatch_size * plan.num_microbatches == TARGET
 
 # %% [markdown]
 # Take one real update with the plan of bfloat16 compute and full remat,
@@ -354,16 +354,16 @@ for plan in plans.values():
 
 # %%
 plan = plans["full", "bfloat16"]
-step, state = accumulate_step("full", "bfloat16", plan.num_micro_batches)
-compiled = step.lower(params, state, batch_of(plan.micro_batch_size)).compile()
+step, state = accumulate_step("full", "bfloat16", plan.num_microbatches)
+compiled = step.lower(params, state, batch_of(plan.microbatch_size)).compile()
 assert optax_accum.compiled_memory_bytes(compiled) <= plan.memory_budget
 p = gpt.init_params(CFG)
 state = jax.tree.map(jnp.copy, state)
-for i in range(plan.num_micro_batches):
-    batch = gpt.random_batch(jax.random.key(i), CFG, plan.micro_batch_size)
+for i in range(plan.num_microbatches):
+    batch = gpt.random_batch(jax.random.key(i), CFG, plan.microbatch_size)
     p, state = compiled(p, state, batch)
 assert optax_accum.has_updated(state)
 print(
     f"one update of {plan.effective_batch_size} sequences in "
-    f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}"
+    f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}"
 )

@@ -119,7 +119,7 @@ def sample(key, size):
 # ## 1. Measuring the noise scale along training
 #
 # `k = 8` micro-batches of `b = 8` images per update, SGD with learning rate
-# 0.5. `noise_scale(state, micro_batch_size=b)` reads the EMA (decay 0.95
+# 0.5. `noise_scale(state, microbatch_size=b)` reads the EMA (decay 0.95
 # over windows) in examples.
 
 # %%
@@ -136,7 +136,7 @@ def micro_step(carry, key):
 def one_update(carry, key):
     carry, _ = jax.lax.scan(micro_step, carry, jax.random.split(key, k))
     params, state = carry
-    ns = optax_accum.noise_scale(state, micro_batch_size=b)
+    ns = optax_accum.noise_scale(state, microbatch_size=b)
     return carry, (loss_fn(params, X_EVAL, Y_EVAL), ns.b_simple)
 
 
@@ -254,7 +254,7 @@ plt.show()
 #
 # ## 3. Letting the noise scale choose k
 #
-# `adaptive_every_k(k_min, k_max)` sets each window's `k` to
+# `adaptive_every_k(min_k, max_k)` sets each window's `k` to
 # $\lceil B_\text{simple} / b \rceil$, clipped: the effective batch follows
 # the noise scale as it grows. `k` lives in the optimizer state (traced: no
 # recompilation; checkpointed with the rest). The learning rate follows the

@@ -362,3 +362,22 @@ def test_noisy_sgd_state_survives_disable_jit():
         for _ in range(2):
             u, state = tx.update({"a": jnp.ones(2)}, state, params)
     assert jnp.all(u["a"] != 0)
+
+
+def test_integer_parameters_gradients_pass_through_as_float0():
+    params = {"w": jnp.ones(3), "step": jnp.int32(3)}
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 2) * p["step"]
+
+    inner = optax.masked(optax.adam(0.1), {"w": True, "step": False})
+    tx = optax_accum.accumulate(inner, 2)
+    state, ref_state = tx.init(params), inner.init(params)
+    step = jax.jit(tx.update)
+    grads = [jax.grad(loss, allow_int=True)(params) for _ in range(2)]
+    for g in grads:
+        u, state = step(g, state, params)
+    assert u["step"].dtype == jax.dtypes.float0
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, grads[0]["w"], grads[1]["w"])
+    ref, _ = inner.update({"w": mean, "step": grads[0]["step"]}, ref_state, params)
+    chex.assert_trees_all_close(u["w"], ref["w"], rtol=1e-6)

@@ -235,7 +235,7 @@ def test_flax_nnx_train_step_resume_mid_window_is_bit_exact(tmp_path):
     def loss_fn(model, x, y):
         return jnp.mean((model(x) - y) ** 2)
 
-    step = nnx.jit(nnx_train_step(loss_fn, num_micro_batches=2))
+    step = nnx.jit(nnx_train_step(loss_fn, num_microbatches=2))
 
     reference = make()
     for batch in batches:
@@ -294,7 +294,7 @@ def test_flax_linen_train_step_resume_mid_window_is_bit_exact(tmp_path):
         )
         return jnp.mean((out - y) ** 2), updates["batch_stats"]
 
-    train = linen_train_step(loss_fn, num_micro_batches=2)
+    train = linen_train_step(loss_fn, num_microbatches=2)
 
     @jax.jit
     def step(state, x, y):

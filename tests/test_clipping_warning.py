@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _mistakes
+from optax_accum import _clip_warning
 
 
 def test_clipping_before_accumulate_warns_once(monkeypatch):
@@ -28,7 +28,7 @@ def test_clipping_before_accumulate_warns_once(monkeypatch):
         ),
         optax.chain(optax.scale(0.5), optax_accum.accumulate(optax.adam(0.1), 2)),
     ):
-        monkeypatch.setattr(_mistakes, "_warned", False)
+        monkeypatch.setattr(_clip_warning, "_warned", False)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             good.update(grads, good.init(params), params)
@@ -41,7 +41,7 @@ def test_clipping_before_accumulate_warns_once(monkeypatch):
             optax_accum.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
         ),
     ):
-        monkeypatch.setattr(_mistakes, "_warned", False)
+        monkeypatch.setattr(_clip_warning, "_warned", False)
         state = bad.init(params)
         with pytest.warns(UserWarning, match="clips every micro-batch"):
             _, state = bad.update(grads, state, params)

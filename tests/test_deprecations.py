@@ -75,9 +75,10 @@ def test_defer_axes_is_data_axes():
                 old = jax.eval_shape(make(defer_axes="data").init, params)
             assert jax.tree.structure(old) == jax.tree.structure(new)
             leaf = jax.tree.leaves(old)[2]
-            assert jax.typeof(leaf).sharding.spec == jax.typeof(
-                jax.tree.leaves(new)[2]
-            ).sharding.spec
+            assert (
+                jax.typeof(leaf).sharding.spec
+                == jax.typeof(jax.tree.leaves(new)[2]).sharding.spec
+            )
         with pytest.warns(DeprecationWarning, match="`data_axes=`"):
             marked = optax_accum.defer_reduction(params, axes="data")
         assert jax.typeof(marked).sharding.spec.reduced == frozenset({"data"})

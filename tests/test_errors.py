@@ -157,3 +157,15 @@ def test_uncalled_skip_large_updates_says_call_it():
             make(optax_accum.skip_large_updates)
     with pytest.raises(TypeError, match=r"`skip_fn` must take \(grads, step, params\)"):
         optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=lambda g: g)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax_accum.accumulate(optax.adam, 4),
+        lambda: optax_accum.MultiSteps(optax.adam, 4),
+    ],
+)
+def test_an_uncalled_optimizer_factory_is_refused_by_name(make):
+    with pytest.raises(TypeError, match=r"is the function `adam`.*call it"):
+        make()

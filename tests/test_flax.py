@@ -320,8 +320,8 @@ def test_linen_train_step_takes_a_plain_train_state(plateau):
 @pytest.mark.parametrize(
     ("k", "error", "match"),
     [
-        (0, ValueError, "`num_micro_batches` must be >= 1, got 0"),
-        (2.0, TypeError, "`num_micro_batches` must be an integer, got 2.0"),
+        (0, ValueError, "`num_microbatches` must be >= 1, got 0"),
+        (2.0, TypeError, "`num_microbatches` must be an integer, got 2.0"),
     ],
 )
 def test_flax_helpers_validate_at_construction(k, error, match):

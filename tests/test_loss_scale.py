@@ -298,3 +298,135 @@ def test_devices_agree_on_the_scale_under_shard_map():
     chex.assert_trees_all_close(
         jax.device_get(params), ref_params, rtol=5e-3, atol=1e-6
     )
+
+
+def _window(seeds, overflow_at=None, target=None):
+    """K micro-batches of 8 rows stacked into one batch of 8 K rows, with the
+    rows interleaved as microbatch splits them (micro-batch i: rows i, i+K, ...).
+    Micro-batch ``overflow_at`` gets an overflowing target (``target``)."""
+    parts = [_batch(s, overflow=(i == overflow_at)) for i, s in enumerate(seeds)]
+    x = jnp.stack([p[0] for p in parts], axis=1).reshape(-1, 5)
+    y = jnp.stack([p[1] for p in parts], axis=1).reshape(-1, 3)
+    if overflow_at is not None and target is not None:
+        y = y.at[overflow_at, 0].set(target)  # row overflow_at: its first row
+    return x, y
+
+
+def test_microbatch_of_scaled_value_and_grad_is_the_large_batch_step():
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), period=2000)
+    params = _params()
+    x, y = _window(range(K))
+    fused = optax_accum.microbatch(
+        lambda p, x, y: GRAD_FN(loss_scale, p, x, y), K, batch_argnums=(1, 2)
+    )
+    out = jax.jit(fused)(params, x, y)
+    assert isinstance(out, optax_accum.ScaledGrads) and bool(out.finite)
+    # The mean of the k micro-batches' scaled gradients, in float32 ...
+    parts = [GRAD_FN(loss_scale, params, *_batch(s)) for s in range(K)]
+    mean = jax.tree.map(lambda *g: sum(g) / K, *[p.grads for p in parts])
+    chex.assert_trees_all_close(out.grads, mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(out.value, np.mean([p.value for p in parts]), rtol=1e-5)
+    # ... and the loss scale adjusted once, as one large step adjusts it.
+    assert int(out.loss_scale.counter) == 1
+    assert float(out.loss_scale.loss_scale) == 2.0**10
+
+
+def test_microbatch_of_scaled_value_and_grad_with_one_overflow():
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**15), jnp.int32(5))
+    fused = optax_accum.microbatch(
+        lambda p, x, y: GRAD_FN(loss_scale, p, x, y), K, batch_argnums=(1, 2)
+    )
+    out = jax.jit(fused)(_params(), *_window(range(K), overflow_at=2))
+    assert not bool(out.finite)
+    assert float(out.loss_scale.loss_scale) == 2.0**14
+    assert int(out.loss_scale.counter) == 0
+
+
+def _nnx_model():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            params = _params()
+            self.w = nnx.Param(params["w"])
+            self.b = nnx.Param(params["b"])
+
+        def __call__(self, x):
+            p = POLICY.cast_to_compute({"w": self.w[...], "b": self.b[...]})
+            return jnp.tanh(POLICY.cast_to_compute(x) @ p["w"] + p["b"])
+
+    return Model()
+
+
+def test_nnx_train_step_with_loss_scaling_skips_an_overflowing_step():
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    def loss_fn(model, x, y):
+        return POLICY.cast_to_output(
+            jnp.mean((model(x) - POLICY.cast_to_compute(y)) ** 2)
+        )
+
+    model = _nnx_model()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    step = nnx_train_step(loss_fn, K, loss_scaling=True)
+
+    # nnx.jit rebuilds its arguments' pytrees with placeholder leaves, which
+    # jmp's constructor rejects: pass the scale's arrays, build it inside.
+    @nnx.jit
+    def train(model, optimizer, x, y, scale, counter):
+        loss_scale = jmp.DynamicLossScale(scale, counter)
+        loss, loss_scale = step(model, optimizer, x, y, loss_scale=loss_scale)
+        return loss, loss_scale.loss_scale, loss_scale.counter
+
+    # A good step updates the parameters as the mean gradient does.
+    w0 = np.asarray(model.w[...])
+    scale, counter = jnp.float32(2.0**15), jnp.int32(0)
+    _, scale, counter = train(model, optimizer, *_window(range(K)), scale, counter)
+    ref_scale = jmp.DynamicLossScale(jnp.float32(2.0**15))
+    parts = [GRAD_FN(ref_scale, _params(), *_batch(s)) for s in range(K)]
+    mean_w = sum(p.grads["w"] for p in parts) / K
+    # fp16 compute: the model and the reference round differently.
+    np.testing.assert_allclose(model.w[...], w0 - 0.5 * mean_w, rtol=2e-3, atol=1e-5)
+    assert int(optimizer.step[...]) == 1 and float(scale) == 2.0**15
+    # An overflowing micro-batch: nothing changes but the halved scale.
+    before = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    bad = _window(range(K), overflow_at=1, target=1e4)
+    _, scale, counter = train(model, optimizer, *bad, scale, counter)
+    after = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    chex.assert_trees_all_equal(before, after)
+    assert float(scale) == 2.0**14 and int(counter) == 0
+    with pytest.raises(TypeError, match="loss_scale"):
+        step(model, optimizer, *_window(range(K)))
+
+
+def test_linen_train_step_with_loss_scaling_skips_an_overflowing_step():
+    pytest.importorskip("flax")
+    from flax.training import train_state
+
+    from optax_accum.flax import linen_train_step
+
+    def loss_fn(params, rng, x, y):
+        del rng
+        return _loss(params, x, y)
+
+    state = train_state.TrainState.create(
+        apply_fn=None, params=_params(), tx=optax.sgd(0.5)
+    )
+    step = linen_train_step(loss_fn, K, loss_scaling=True)
+
+    @jax.jit
+    def train(state, x, y, scale, counter):
+        loss_scale = jmp.DynamicLossScale(scale, counter)
+        state, _, loss_scale = step(state, x, y, loss_scale=loss_scale)
+        return state, loss_scale.loss_scale, loss_scale.counter
+
+    scale, counter = jnp.float32(2.0**15), jnp.int32(0)
+    new, scale, counter = train(state, *_window(range(K)), scale, counter)
+    assert int(new.step) == 1 and float(scale) == 2.0**15
+    bad = _window(range(K), overflow_at=0, target=1e4)
+    bad, scale, counter = train(new, *bad, scale, counter)
+    chex.assert_trees_all_equal(bad.params, new.params)
+    assert int(bad.step) == 1 and float(scale) == 2.0**14

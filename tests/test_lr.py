@@ -80,7 +80,7 @@ def test_scale_bad_input(kwargs, error, match):
 
 
 def test_warmup_values_hand_computed():
-    every_k = optax_accum.batch_size_warmup(16, 16, 112, warmup_updates=4)
+    every_k = optax_accum.batch_size_warmup(16, 16, 112, warmup_steps=4)
     # k goes from 1 to 7 over 4 updates: 1 + floor(6 t / 4).
     got = [int(every_k(t)) for t in range(7)]
     assert got == [1, 2, 4, 5, 7, 7, 7]
@@ -105,7 +105,7 @@ def _windows(every_k, num_micro_steps):
 
 
 def test_warmup_with_accumulate_gives_expected_windows():
-    every_k = optax_accum.batch_size_warmup(8, 8, 32, warmup_updates=3)
+    every_k = optax_accum.batch_size_warmup(8, 8, 32, warmup_steps=3)
     windows, emitted = _windows(every_k, 1 + 2 + 3 + 4 + 4)
     assert windows == [[1], [2, 3], [4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
     # SGD(1) on the window mean: the update is minus the mean of each window.
@@ -113,7 +113,7 @@ def test_warmup_with_accumulate_gives_expected_windows():
 
 
 def test_warmup_with_multisteps_gives_expected_windows():
-    every_k = optax_accum.batch_size_warmup(4, 8, 16, warmup_updates=2)
+    every_k = optax_accum.batch_size_warmup(4, 8, 16, warmup_steps=2)
     ms = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=every_k)
     params = jnp.zeros([])
     state = ms.init(params)
@@ -131,8 +131,8 @@ def test_warmup_with_multisteps_gives_expected_windows():
     [
         ((8, 12, 32, 3), ValueError, "`init_batch_size`.*multiple.*12"),
         ((8, 8, 36, 3), ValueError, "`batch_size`.*multiple.*36"),
-        ((0, 8, 32, 3), ValueError, "`micro_batch_size`"),
-        ((8, 8, 32, 0), ValueError, "`warmup_updates`"),
+        ((0, 8, 32, 3), ValueError, "`microbatch_size`"),
+        ((8, 8, 32, 0), ValueError, "`warmup_steps`"),
         ((8, 8, 32.0, 3), TypeError, "`batch_size`"),
     ],
 )

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ from optax import microbatching
 
 import optax_accum
 from tests.helpers import hlo as _hlo
+from tests.helpers.models import mlp_loss, mlp_params
 
 # ----------------------------------------------------------------- models
 
@@ -253,7 +257,9 @@ def test_bf16_grads_accumulate_in_fp32_when_asked():
 
     x = jnp.array([256.0, 1.0, 1.0, 1.0])
     p = jnp.ones(2, jnp.bfloat16)
-    _, low = optax_accum.microbatch(vg, 4, reduction="sum")(p, x)
+    _, low = optax_accum.microbatch(vg, 4, reduction="sum", accumulator_dtype=None)(
+        p, x
+    )
     _, high = optax_accum.microbatch(
         vg, 4, reduction="sum", accumulator_dtype=jnp.float32
     )(p, x)
@@ -279,11 +285,11 @@ def test_fp16_weighted_mean_does_not_overflow():
 
 def test_errors_at_construction():
     vg = jax.value_and_grad(_mlp_loss)
-    with pytest.raises(ValueError, match=r"num_micro_batches.*>= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_microbatches.*>= 1, got 0"):
         optax_accum.microbatch(vg, 0)
-    with pytest.raises(ValueError, match=r"num_micro_batches.*got -2"):
+    with pytest.raises(ValueError, match=r"num_microbatches.*got -2"):
         optax_accum.microbatch(vg, -2)
-    with pytest.raises(TypeError, match=r"num_micro_batches.*integer, got 2.5"):
+    with pytest.raises(TypeError, match=r"num_microbatches.*integer, got 2.5"):
         optax_accum.microbatch(vg, 2.5)
     with pytest.raises(ValueError, match=r"reduction.*'max'"):
         optax_accum.microbatch(vg, 2, reduction="max")
@@ -437,7 +443,7 @@ def test_explicit_sharding_with_mesh_axes_all_reduces_once_after_the_loop():
         return vg(p, b)
 
     with jax.set_mesh(mesh):
-        ours = jax.jit(optax_accum.microbatch(spy, 4, mesh_axes="data"))
+        ours = jax.jit(optax_accum.microbatch(spy, 4, data_axes="data"))
         naive = jax.jit(optax_accum.microbatch(spy, 4))
         _close(ours(sparams, sbatch), vg(params, batch))
         _close(naive(sparams, sbatch), vg(params, batch))
@@ -459,7 +465,7 @@ def test_explicit_sharding_with_token_weights_and_aux():
     params, batch, sparams, sbatch = _sharded_inputs(mesh)
     vg = jax.value_and_grad(_masked_loss, has_aux=True)
     fun = optax_accum.microbatch(
-        vg, 4, has_aux=True, weight_fn=lambda b: b["m"].sum(), mesh_axes="data"
+        vg, 4, has_aux=True, weight_fn=lambda b: b["m"].sum(), data_axes="data"
     )
     (ref_value, _), ref_grads = vg(params, batch)
     global_view = optax_accum.microbatch(
@@ -481,7 +487,7 @@ def test_auto_mesh_with_mesh_axes_all_reduces_once():
     params, batch, sparams, sbatch = _sharded_inputs(mesh)
     vg = jax.value_and_grad(_mlp_loss)
     with jax.set_mesh(mesh):
-        fun = jax.jit(optax_accum.microbatch(vg, 4, mesh_axes="data"))
+        fun = jax.jit(optax_accum.microbatch(vg, 4, data_axes="data"))
         _close(fun(sparams, sbatch), vg(params, batch))
         in_loop, total = _all_reduces(fun.lower(sparams, sbatch).compile().as_text())
     assert in_loop == 0 and total >= 1
@@ -554,3 +560,39 @@ def test_fused_step_equals_k_calls_of_accumulate():
             p2, s2 = micro_step(p2, s2, _micro(batch, i, k))
     _close(p1, p2)
     assert not np.allclose(p1[0]["w"], params[0]["w"])
+
+
+def test_result_does_not_expose_fun_as_wrapped():
+    def vg(p, x):
+        return jnp.sum(p * x), p
+
+    fn = optax_accum.microbatch(vg, 2)
+    assert not hasattr(fn, "__wrapped__")
+    assert inspect.unwrap(fn) is fn and fn.__name__ == "vg"
+    eqx = pytest.importorskip("equinox")
+    # Equinox follows __wrapped__ and warned that parameters would not update.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = jnp.ones(2)
+        fn = optax_accum.microbatch(
+            eqx.filter_value_and_grad(lambda m, x: jnp.sum(m * x)), 2
+        )
+        eqx.filter_jit(fn)(model, jnp.ones((4, 2)))
+
+
+def test_weighted_loop_costs_what_the_unweighted_one_does():
+    # The weights enter the backward pass (microbatch differentiates the
+    # weighted value itself): fun's own gradients are dead code, so the
+    # weighted loop runs no second backward pass.
+    params = mlp_params(0, (16, 64, 64, 8))
+    x, y = jnp.ones((32, 16)), jnp.ones((32, 8))
+
+    def flops(**kw):
+        fun = optax_accum.microbatch(
+            jax.value_and_grad(mlp_loss), 4, batch_argnums=(1, 2), **kw
+        )
+        cost = jax.jit(fun).lower(params, x, y).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    weighted = flops(weight_fn=lambda x, y: jnp.float32(x.shape[0]))
+    assert weighted < 1.1 * flops()

@@ -193,12 +193,14 @@ def test_state_fields_and_inner_opt_match_optax():
     inner = optax.adam(1e-3)
     ours, theirs = MultiSteps(inner, 3), optax.MultiSteps(inner, 3)
     params = {"a": jnp.zeros(2)}
-    # optax's fields, in order, then ours: the window's value, () for Adam.
+    # optax's fields, in order, then ours: the window's value and the noise
+    # scale, both () for Adam without the noise scale: no leaves of their own.
     n = len(optax.MultiStepsState._fields)
     assert MultiStepsState._fields[:n] == optax.MultiStepsState._fields
-    assert MultiStepsState._fields[n:] == ("acc_value",)
+    assert MultiStepsState._fields[n:] == ("acc_value", "noise_scale")
     ours_state, theirs_state = ours.init(params), theirs.init(params)
-    assert ours_state.acc_value == ()
+    assert ours_state.acc_value == () and ours_state.noise_scale == ()
+    assert len(jax.tree.leaves(ours_state)) == len(jax.tree.leaves(theirs_state))
     chex.assert_trees_all_equal_structs(tuple(ours_state)[:n], tuple(theirs_state))
     chex.assert_trees_all_equal_dtypes(tuple(ours_state)[:n], tuple(theirs_state))
     chex.assert_trees_all_equal(
@@ -220,3 +222,15 @@ def test_restores_an_optax_state_mid_window():
         ref_u, ref_state = theirs.update(g, ref_state, params)
         u, our_state = ours.update(g, our_state, params)
         chex.assert_trees_all_close(u, ref_u, rtol=1e-6)
+
+
+def test_weight_is_refused_and_close_window_is_honoured():
+    ms = MultiSteps(optax.sgd(1.0), 4)
+    params = jnp.zeros(())
+    state = ms.init(params)
+    with pytest.raises(TypeError, match=r"`weight`.*accumulate"):
+        ms.update(jnp.float32(1.0), state, params, weight=3.0)
+    _, state = ms.update(jnp.float32(1.0), state, params)
+    u, state = ms.update(jnp.float32(3.0), state, params, close_window=True)
+    assert float(u) == -2.0 and int(state.mini_step) == 0
+    assert int(state.gradient_step) == 1

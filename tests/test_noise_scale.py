@@ -68,7 +68,7 @@ def test_matches_the_analytic_noise_scale(b, k):
     batches = _linreg_data(jax.random.key(b * 100 + k), (windows, k, b))
     tx = optax_accum.accumulate(optax.sgd(0.0), k, noise_scale_decay=decay)
     state = jax.jit(lambda: _run(tx, params, _linreg_grad, batches))()
-    est = optax_accum.noise_scale(state, micro_batch_size=b)
+    est = optax_accum.noise_scale(state, microbatch_size=b)
     assert int(est.windows) == windows
     assert float(est.b_small) == b and float(est.b_big) == b * k
 
@@ -114,7 +114,7 @@ def test_agrees_with_per_example_gradients_on_an_mlp():
         xs, ys = x[perm].reshape(1, k, b, -1), y[perm].reshape(1, k, b, -1)
         tx = optax_accum.accumulate(optax.sgd(0.0), k, noise_scale_decay=0.5)
         state = _run(tx, params, jax.grad(mlp_loss), (xs, ys))
-        return optax_accum.noise_scale(state, micro_batch_size=b)
+        return optax_accum.noise_scale(state, microbatch_size=b)
 
     perms = jax.vmap(lambda key: jax.random.permutation(key, k * b))(
         jax.random.split(jax.random.key(0), 512)
@@ -249,7 +249,7 @@ def test_adaptive_k_grows_with_the_noise_scale_without_recompiling():
     for key in keys:
         params, state = step(params, state, key)
         if optax_accum.has_updated(state):
-            ns = optax_accum.noise_scale(state, micro_batch_size=b)
+            ns = optax_accum.noise_scale(state, microbatch_size=b)
             # The next window's k is the rule applied to the current estimate.
             want = np.clip(np.ceil(float(ns.b_simple) / b), 2, 64)
             assert int(ns.k) == want
@@ -384,11 +384,11 @@ def test_bad_input():
         optax_accum.microbatch(vg, 2, noise_scale_decay=1.0)
     with pytest.raises(ValueError, match="reduction"):
         optax_accum.microbatch(vg, 2, reduction="sum", noise_scale_decay=0.9)
-    with pytest.raises(ValueError, match="k_min"):
+    with pytest.raises(ValueError, match="min_k"):
         optax_accum.adaptive_every_k(8, 4)
-    with pytest.raises(ValueError, match="k_min"):
+    with pytest.raises(ValueError, match="min_k"):
         optax_accum.adaptive_every_k(0, 4)
-    with pytest.raises(TypeError, match="k_max"):
+    with pytest.raises(TypeError, match="max_k"):
         optax_accum.adaptive_every_k(1, 4.5)
     with pytest.raises(ValueError, match="init_k"):
         optax_accum.adaptive_every_k(2, 4, init_k=5)
@@ -396,8 +396,8 @@ def test_bad_input():
         optax_accum.accumulate(sgd, optax_accum.adaptive_every_k(2, 4))
     state = optax_accum.accumulate(sgd, 2, noise_scale_decay=0.9).init(jnp.zeros(2))
     for b in (0, -4):
-        with pytest.raises(ValueError, match="micro_batch_size"):
-            optax_accum.noise_scale(state, micro_batch_size=b)
+        with pytest.raises(ValueError, match="microbatch_size"):
+            optax_accum.noise_scale(state, microbatch_size=b)
     with pytest.raises(ValueError, match="NoiseScaleState"):
         optax_accum.noise_scale(optax_accum.accumulate(sgd, 2).init(jnp.zeros(2)))
 
@@ -425,7 +425,7 @@ def test_microbatch_matches_accumulate_and_tracks_the_ema():
     # microbatch counts rows; accumulate counts micro-batches of 16 rows.
     chex.assert_trees_all_close(
         optax_accum.noise_scale(tracker),
-        optax_accum.noise_scale(state, micro_batch_size=16),
+        optax_accum.noise_scale(state, microbatch_size=16),
         rtol=1e-5,
     )
     assert int(tracker.windows) == 3 and float(tracker.b_big) == 64
@@ -444,7 +444,7 @@ def test_microbatch_device_local_loop_uses_device_micro_batches():
         k,
         batch_argnums=(1, 2),
         noise_scale_decay=0.5,
-        mesh_axes="data",  # the device-local loop
+        data_axes="data",  # the device-local loop
     )
     with jax.set_mesh(mesh):
         (value, _), tracker = jax.jit(fun)(params, put(x), put(y))
@@ -521,10 +521,10 @@ def test_state_can_be_donated_and_multisteps_adapts_k():
     params = {"w": jnp.zeros(3)}
     update = jax.jit(ms.update, donate_argnums=1)
     state = ms.init(params)
-    assert isinstance(state, optax_accum.MultiStepsNoiseState)
+    assert isinstance(state, optax_accum.MultiStepsState)
     rng = np.random.default_rng(0)
     for _ in range(12):
         g = {"w": jnp.asarray(rng.normal(size=3) * 10, jnp.float32)}
         _, state = update(g, state, params)
-    # Pure noise around a zero mean: B_simple is large, so k goes to k_max.
+    # Pure noise around a zero mean: B_simple is large, so k goes to max_k.
     assert int(optax_accum.noise_scale(state).k) == 8

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Tests for `plan_micro_batch`, against memory measured by compiling directly."""
+"""Tests for `plan_microbatch`, against memory measured by compiling directly."""
 
 import math
 from types import SimpleNamespace
@@ -88,36 +88,36 @@ def test_chosen_fits_and_next_does_not(setup, measured, between):
     step, params, opt_state, example = setup
     small, big = between
     budget = (measured[small] + measured[big]) // 2
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step, params, opt_state, example, TARGET, memory_budget=budget
     )
-    assert plan.micro_batch_size == small
-    assert plan.num_micro_batches == TARGET // small
+    assert plan.microbatch_size == small
+    assert plan.num_microbatches == TARGET // small
     assert plan.effective_batch_size == TARGET
     assert plan.memory_bytes == measured[small] <= budget
-    assert plan.next_micro_batch_size == big
+    assert plan.next_microbatch_size == big
     assert plan.next_memory_bytes == measured[big] > budget
     # Brute force agrees: the largest divisor that fits.
-    assert plan.micro_batch_size == max(m for m, b in measured.items() if b <= budget)
+    assert plan.microbatch_size == max(m for m, b in measured.items() if b <= budget)
     # Binary search over 9 candidates: at most 2 + ceil(log2(9)) compilations.
     assert plan.num_compilations <= 2 + math.ceil(math.log2(len(measured)))
 
 
 def test_everything_fits(setup, measured):
     step, params, opt_state, example = setup
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step, params, opt_state, example, TARGET, memory_budget=10 * 2**30
     )
-    assert (plan.micro_batch_size, plan.num_micro_batches) == (TARGET, 1)
+    assert (plan.microbatch_size, plan.num_microbatches) == (TARGET, 1)
     assert plan.memory_bytes == measured[TARGET]
-    assert plan.next_micro_batch_size is None and plan.next_memory_bytes is None
+    assert plan.next_microbatch_size is None and plan.next_memory_bytes is None
     assert plan.num_compilations == 1
 
 
 def test_nothing_fits(setup, measured):
     step, params, opt_state, example = setup
     with pytest.raises(ValueError, match=r"`memory_budget`=1,000 bytes.*1: .*2: "):
-        optax_accum.plan_micro_batch(
+        optax_accum.plan_microbatch(
             step, params, opt_state, example, TARGET, memory_budget=1000
         )
 
@@ -127,7 +127,7 @@ def test_not_divisible_rounds_k_up(setup):
     sizes = range(8, 100, 8)
     measured = {m: _measured(step, params, opt_state, m) for m in (40, 48)}
     budget = (measured[40] + measured[48]) // 2
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step,
         params,
         opt_state,
@@ -138,10 +138,10 @@ def test_not_divisible_rounds_k_up(setup):
         divisors_only=False,
     )
     assert 40 in sizes
-    assert plan.micro_batch_size == 40
-    assert plan.num_micro_batches == 3  # ceil(100 / 40)
+    assert plan.microbatch_size == 40
+    assert plan.num_microbatches == 3  # ceil(100 / 40)
     assert plan.effective_batch_size == 120
-    assert plan.next_micro_batch_size == 48
+    assert plan.next_microbatch_size == 48
     assert plan.memory_bytes == measured[40]
 
 
@@ -151,10 +151,10 @@ def test_donating_jitted_step_uses_its_aliasing(setup):
     plain = _measured(step, params, opt_state, 32)
     with_alias = _measured(donated, params, opt_state, 32)
     assert with_alias < plain
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         donated, params, opt_state, example, 32, memory_budget=with_alias
     )
-    assert plan.micro_batch_size == 32
+    assert plan.microbatch_size == 32
     assert plan.memory_bytes == with_alias
 
 
@@ -169,27 +169,27 @@ def test_loss_without_optimizer_state(setup):
     # At m = 1 XLA uses a matrix-vector product that needs more memory than
     # m = 16: the planner must not give up there.
     assert measured(1) > budget
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         grad_fn, params, None, example, 64, memory_budget=budget
     )
-    assert (plan.micro_batch_size, plan.num_micro_batches) == (16, 4)
+    assert (plan.microbatch_size, plan.num_microbatches) == (16, 4)
 
 
 def test_abstract_params_are_accepted(setup, measured):
     step, params, opt_state, example = setup
     abstract = jax.eval_shape(lambda: (params, opt_state))
     budget = (measured[64] + measured[128]) // 2
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step, *abstract, example, TARGET, memory_budget=budget
     )
-    assert plan.micro_batch_size == 64
+    assert plan.microbatch_size == 64
 
 
 def test_cpu_requires_a_budget(setup):
     step, params, opt_state, example = setup
     assert jax.devices()[0].memory_stats() is None
     with pytest.raises(ValueError, match="`memory_budget` is required on cpu"):
-        optax_accum.plan_micro_batch(step, params, opt_state, example, TARGET)
+        optax_accum.plan_microbatch(step, params, opt_state, example, TARGET)
 
 
 def test_default_budget_is_free_device_memory(setup, measured):
@@ -200,11 +200,11 @@ def test_default_budget_is_free_device_memory(setup, measured):
         platform="gpu",
         memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": in_use},
     )
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step, params, opt_state, example, TARGET, device=device
     )
     assert plan.memory_budget == limit - in_use
-    assert plan.micro_batch_size == 4
+    assert plan.microbatch_size == 4
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_default_budget_is_free_device_memory(setup, measured):
         ({"target_batch_size": 8.0}, TypeError, "`target_batch_size`"),
         ({"memory_budget": -1}, ValueError, "`memory_budget`"),
         ({"multiple_of": 3}, ValueError, "multiple of `multiple_of`=3"),
-        ({"max_micro_batch_size": 0}, ValueError, "`max_micro_batch_size`"),
+        ({"max_microbatch_size": 0}, ValueError, "`max_microbatch_size`"),
     ],
 )
 def test_bad_input(setup, kwargs, error, match):
@@ -222,7 +222,7 @@ def test_bad_input(setup, kwargs, error, match):
     args = {"target_batch_size": 16, "memory_budget": 10**9}
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        optax_accum.plan_micro_batch(step, params, opt_state, example, **args)
+        optax_accum.plan_microbatch(step, params, opt_state, example, **args)
 
 
 def test_flax_nnx_state_with_prng_keys():
@@ -261,7 +261,7 @@ def test_flax_nnx_state_with_prng_keys():
     fits, too_big = measured(8), measured(16)
     example = {"x": jnp.zeros(64), "y": jnp.zeros([], jnp.int32)}
     # Candidates 8, 16, 32 only: each compilation of this step is slow.
-    plan = optax_accum.plan_micro_batch(
+    plan = optax_accum.plan_microbatch(
         step,
         state,
         None,
@@ -270,5 +270,5 @@ def test_flax_nnx_state_with_prng_keys():
         memory_budget=(fits + too_big) // 2,
         multiple_of=8,
     )
-    assert (plan.micro_batch_size, plan.num_micro_batches) == (8, 4)
+    assert (plan.microbatch_size, plan.num_microbatches) == (8, 4)
     assert (plan.memory_bytes, plan.next_memory_bytes) == (fits, too_big)

@@ -81,3 +81,18 @@ def test_find_state_names_what_it_did_not_find():
     state = optax_accum.accumulate(optax.adam(1.0), 2).init(linear_params())
     with pytest.raises(ValueError, match="exactly one ScaleByLionState, found 0"):
         optax_accum.find_state(state, optax.ScaleByLionState)
+
+
+def test_has_updated_reads_multisteps_with_noise_scale():
+    ms = optax_accum.MultiSteps(optax.sgd(1.0), 2, noise_scale_decay=0.9)
+    params = {"w": jnp.zeros(2)}
+    state = ms.init(params)
+    assert isinstance(state, optax_accum.MultiStepsState)
+    assert not bool(optax_accum.has_updated(state))
+    for _ in range(2):
+        _, state = ms.update({"w": jnp.ones(2)}, state, params)
+    assert bool(optax_accum.has_updated(state)) and bool(ms.has_updated(state))
+    # Off, the state has exactly optax's leaves.
+    off = optax_accum.MultiSteps(optax.sgd(1.0), 2).init(params)
+    ref = optax.MultiSteps(optax.sgd(1.0), 2).init(params)
+    assert len(jax.tree.leaves(off)) == len(jax.tree.leaves(ref))

@@ -85,7 +85,7 @@ def test_microbatch_all_padding_micro_batch_contributes_nothing(position, sharde
         jax.value_and_grad(loss),
         K,
         weight_fn=lambda b: b["mask"].sum(),
-        mesh_axes="auto" if sharded else None,
+        data_axes=None,
     )
     if sharded:  # the device-local loop: each device's part is all padding
         mesh = jax.make_mesh((8,), ("data",))

@@ -2,7 +2,7 @@
 # Copyright 2026 The optax_accum Authors.
 """One process of the 2-process test in `test_multihost.py`, next to this file.
 
-Run by `optax_accum.launch_local`: 2 processes x 2 CPU devices, gloo. Each
+Run by `optax_accum.distributed.launch_local`: 2 processes x 2 CPU devices, gloo. Each
 process feeds only its own rows of every batch. It trains the same MLP three
 ways (`accumulate` in shard_map, `microbatch` under jit, the Flax nnx step),
 compares each with the full-batch Adam trajectory computed here on one local
@@ -45,7 +45,7 @@ LR = 0.05
 
 def main(out_dir: str) -> None:
     pid = int(os.environ[ENV_PROCESS_ID])
-    optax_accum.initialize_distributed(
+    optax_accum.distributed.initialize_distributed(
         coordinator_address=os.environ[ENV_COORDINATOR],
         num_processes=NUM_PROCESSES,
         process_id=pid,
@@ -148,7 +148,7 @@ def main(out_dir: str) -> None:
 
     # (2) microbatch under jit, the whole update's batch sharded over 4 devices.
     # Naming the data axis runs the device-local loop (the loss is a row mean).
-    vg = optax_accum.microbatch(jax.value_and_grad(loss), K, mesh_axes="d")
+    vg = optax_accum.microbatch(jax.value_and_grad(loss), K, data_axes="d")
 
     @jax.jit
     def mb_step(p, s, x, y):
@@ -250,7 +250,7 @@ def _hsdp(params0, loss, xs, ys, update_rows, reference):
     tx = optax.adam(LR)
     results, counts = {}, {}
     with jax.set_mesh(mesh):
-        vg = optax_accum.microbatch(jax.value_and_grad(fsdp_loss), K, mesh_axes="data")
+        vg = optax_accum.microbatch(jax.value_and_grad(fsdp_loss), K, data_axes="data")
 
         @jax.jit
         def mb_step(p, s, x, y):

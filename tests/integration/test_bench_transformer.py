@@ -110,7 +110,7 @@ def test_largest_batch_from_two_compiled_estimates():
         bt.largest_batch([(2, 100), (4, 100)], 995, multiple=1, max_batch=8)
 
 
-def test_planner_gives_both_spellings_of_the_size():
+def test_planner_returns_the_plan_or_the_error():
     import jax
     import jax.numpy as jnp
 
@@ -121,7 +121,7 @@ def test_planner_gives_both_spellings_of_the_size():
 
     w = jnp.zeros((16, 32))
     plan = bt._planner(step, w, None, jnp.zeros(16), 64, 40_000, 64)
-    assert plan["microbatch_size"] == plan["micro_batch_size"] >= 1
+    assert plan["microbatch_size"] >= 1
     assert plan["memory_bytes"] <= 40_000
     assert "error" in bt._planner(step, w, None, jnp.zeros(16), 64, 10, 64)
 

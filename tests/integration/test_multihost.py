@@ -3,7 +3,7 @@
 """Real multi-process runs: 2 JAX processes x 2 CPU devices on 127.0.0.1, gloo.
 
 The processes are started, reaped and, past their time limits, killed by
-`optax_accum.launch_local`; their output is shown when a test fails. One
+`optax_accum.distributed.launch_local`; their output is shown when a test fails. One
 launch of `_multihost_worker.py` covers `accumulate` in shard_map,
 `microbatch` under jit and the Flax nnx step. `examples/multihost.py` runs in
 its `--local-processes` mode three times: uninterrupted, with one process
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import optax_accum
+import optax_accum.distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("_multihost_worker.py")
@@ -28,15 +29,15 @@ EXAMPLE = ROOT / "examples" / "multihost.py"
 FAILURE_TIMEOUT_S = 5  # --failure-timeout of the crash run
 
 
-def _launch(argv, **kwargs) -> optax_accum.LocalRun:
+def _launch(argv, **kwargs) -> optax_accum.distributed.LocalRun:
     kwargs.setdefault("timeout_s", 120)
     kwargs.setdefault("grace_s", 30)
-    return optax_accum.launch_local(
+    return optax_accum.distributed.launch_local(
         [sys.executable, *map(str, argv)], 2, echo=False, **kwargs
     )
 
 
-def _check(run: optax_accum.LocalRun) -> None:
+def _check(run: optax_accum.distributed.LocalRun) -> None:
     if not run.ok:
         pytest.fail(f"a worker failed:\n{run.report()}", pytrace=False)
 
@@ -109,7 +110,7 @@ def test_example_survives_a_killed_worker_and_resumes_bit_for_bit(tmp_path):
     ckpt = tmp_path / "b"
     fault = ["--crash-at", 7, "--failure-timeout", FAILURE_TIMEOUT_S]
     argv = [EXAMPLE, *common, "--ckpt-dir", ckpt, *fault]
-    crash = optax_accum.launch_local(
+    crash = optax_accum.distributed.launch_local(
         [sys.executable, *map(str, argv)],
         2,
         cpu_devices_per_process=2,

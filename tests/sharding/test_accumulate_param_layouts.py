@@ -101,7 +101,7 @@ def test_matches_full_batch_with_accumulator_sharded_like_params(
 @pytest.mark.parametrize("layout", ["dp", "tp", "hsdp", "3d"])
 def test_defer_reduction_all_reduces_over_data_once_in_the_boundary_branch(layout):
     layout = L.LAYOUTS[layout]
-    make = lambda: optax_accum.accumulate(optax.adam(1e-2), K, defer_axes=layout.batch)
+    make = lambda: optax_accum.accumulate(optax.adam(1e-2), K, data_axes=layout.batch)
     params, state, hlo, mesh = _run(layout, True, make, defer=True)
     ref = _reference(optax.adam(1e-2), L.loss_fn(None), L.params(), *_windows())
     chex.assert_trees_all_close(jax.device_get(params), ref, rtol=1e-5, atol=1e-6)
@@ -161,14 +161,14 @@ def test_gradient_sharding_mismatch_names_the_leaf_and_both_specs():
             jax.jit(tx.update)(grads, state, params)
 
 
-def test_defer_axes_needs_unreduced_grads_and_vice_versa():
+def test_data_axes_need_unreduced_grads_and_vice_versa():
     layout = L.LAYOUTS["dp"]
     mesh = L.mesh(layout)
     loss = L.loss_fn(layout)
     with jax.set_mesh(mesh):
         params = L.place(layout, mesh, L.params())
         x, y = L.place_batch(layout, mesh, *L.data(16))
-        deferred = optax_accum.accumulate(optax.sgd(1.0), 2, defer_axes="data")
+        deferred = optax_accum.accumulate(optax.sgd(1.0), 2, data_axes="data")
         state = jax.jit(deferred.init)(params)
         g = jax.jit(jax.grad(loss))(params, x, y)
         with pytest.raises(ValueError, match="defer_reduction"):
@@ -177,7 +177,7 @@ def test_defer_axes_needs_unreduced_grads_and_vice_versa():
         g = jax.jit(
             lambda p: jax.grad(loss)(optax_accum.defer_reduction(p, "data"), x, y)
         )(params)
-        with pytest.raises(ValueError, match="defer_axes"):
+        with pytest.raises(ValueError, match="data_axes"):
             jax.jit(plain.update)(g, jax.jit(plain.init)(params), params)
 
 
@@ -185,7 +185,7 @@ def test_defer_reduction_errors():
     with pytest.raises(ValueError, match="`axes`"):
         optax_accum.defer_reduction({"w": jnp.ones(2)}, "data")
     with pytest.raises(ValueError, match="not both"):
-        optax_accum.accumulate(optax.sgd(1.0), 2, axis_name="d", defer_axes="d")
+        optax_accum.accumulate(optax.sgd(1.0), 2, axis_name="d", data_axes="d")
 
 
 def test_state_shardings_for_auto_mesh_init_and_restore_targets():

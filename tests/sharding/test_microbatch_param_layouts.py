@@ -3,7 +3,7 @@
 """`microbatch` with sharded parameters.
 
 The global view (the default) on every layout and axis type; the device-local
-loop (``mesh_axes="data"``) where the data axis shards no parameter; FSDP
+loop (``data_axes="data"``) where the data axis shards no parameter; FSDP
 gathers per micro-batch; and the meaning of ``fun`` kept (row sums, small
 micro-batches).
 """
@@ -35,7 +35,7 @@ def _in_loop_collectives(hlo, mesh, axis="data"):
 
 def _run(layout, explicit, **kw):
     mesh = L.mesh(layout, explicit)
-    named = kw.get("mesh_axes")
+    named = kw.get("data_axes")
     manual = (named,) if isinstance(named, str) else ()
     loss = L.loss_fn(layout, explicit, manual=manual)
     fun = jax.jit(
@@ -65,7 +65,7 @@ def test_global_view_matches_full_batch_grads_sharded_like_params(layout, explic
 @pytest.mark.parametrize("layout", ["dp", "tp", "hsdp", "3d"])
 def test_device_local_over_the_data_axis_reduces_over_it_once(layout, explicit):
     layout = L.LAYOUTS[layout]
-    _, (value, grads), compiled, mesh = _run(layout, explicit, mesh_axes="data")
+    _, (value, grads), compiled, mesh = _run(layout, explicit, data_axes="data")
     chex.assert_trees_all_close(
         (value, jax.device_get(grads)), _reference(), rtol=1e-5, atol=1e-6
     )
@@ -76,14 +76,14 @@ def test_device_local_over_the_data_axis_reduces_over_it_once(layout, explicit):
 
 
 def test_default_global_view_reduces_over_data_per_micro_batch():
-    # What `mesh_axes="data"` saves: the compiler's per-micro-batch reduction.
+    # What `data_axes="data"` saves: the compiler's per-micro-batch reduction.
     _, _, compiled, mesh = _run(L.LAYOUTS["dp"], True)
     assert _in_loop_collectives(compiled.as_text(), mesh)
 
 
 def test_mesh_axes_naming_an_fsdp_axis_is_refused():
     with pytest.raises(ValueError, match=r"shard the batch but no parameter.*'w1'"):
-        _run(L.LAYOUTS["fsdp"], True, mesh_axes="data")
+        _run(L.LAYOUTS["fsdp"], True, data_axes="data")
 
 
 def test_fsdp_gathers_per_micro_batch_by_default_or_once_on_request():
