@@ -43,7 +43,6 @@ exclude_patterns = [
     "_benchmark_results.md",  # generated, and included by benchmarks.md
     "_templates",
     "_ext",
-    "jupyter_execute",
 ]
 templates_path = ["_templates"]
 # `name` in a docstring links to that object where it is documented.

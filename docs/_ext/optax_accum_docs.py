@@ -150,7 +150,7 @@ def write_api_pages(srcdir: Path) -> list[str]:
 def stage_notebooks(srcdir: Path) -> list[str]:
     """Copies the notebooks into ``notebooks/``; the exclude patterns for myst-nb."""
     folder = srcdir / "notebooks"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     stored = executed_notebooks.stored_notebooks()
     required = os.environ.get(REQUIRE_EXECUTED, "") not in ("", "0")
     excluded, missing = [], []
