@@ -49,17 +49,44 @@
 # and which devices they join, and trains for ten steps.
 
 # %%
-# On Colab this installs optax_accum. Where it already imports (a local
-# checkout, CI) the cell does nothing and needs no network.
+# Installs optax_accum where it is missing (a fresh Colab runtime) and keeps
+# the runtime's jax, jaxlib and accelerator plugins exactly as they are: they
+# go to pip as constraints, so it never replaces them. Where optax_accum
+# already imports (a local checkout, CI) the cell does nothing and needs no
+# network. The package comes from the first of:
+#   1. a wheel uploaded to /content (Colab's Files pane), e.g.
+#      /content/optax_accum-0.1.0-py3-none-any.whl, built in a clone with
+#      `python -m build --wheel` (it lands in dist/);
+#   2. a clone of the repository at /content/optax_accum
+#      (`!git clone <repository URL> /content/optax_accum`);
+#   3. the package index: `optax_accum` once it is published there.
 # (Plain Python rather than `%pip`, so that this source also runs as a script.)
+import glob
+import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
+import tempfile
 
 if importlib.util.find_spec("optax_accum") is None:
-    url = "git+https://github.com/optax-accum/optax_accum"
-    pip = [sys.executable, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"optax_accum[examples] @ {url}"], check=True)
+    wheels = sorted(glob.glob("/content/optax_accum-*.whl"))
+    if wheels:
+        source = wheels[-1]
+    elif os.path.isdir("/content/optax_accum"):
+        source = "/content/optax_accum"
+    else:
+        source = "optax_accum"
+    keep = sorted(
+        f"{d.metadata['Name']}=={d.version}"
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"].lower().startswith(("jax", "libtpu"))
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
+        pins.write("\n".join(keep))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", pins.name]
+    subprocess.run([*pip, f"{source}[examples]"], check=True)
+    print(f"Installed optax_accum from {source}; kept {', '.join(keep) or 'no jax'}")
 
 # %%
 import glob

@@ -43,18 +43,44 @@
 # transformer table (`benchmarks/bench_transformer.py`).
 
 # %%
-# On Colab this installs optax_accum. Where it already imports (a local
-# checkout, CI) the cell does nothing and needs no network.
-# (Plain Python rather than `%pip install`, so that this source also runs as a
-# script.)
+# Installs optax_accum where it is missing (a fresh Colab runtime) and keeps
+# the runtime's jax, jaxlib and accelerator plugins exactly as they are: they
+# go to pip as constraints, so it never replaces them. Where optax_accum
+# already imports (a local checkout, CI) the cell does nothing and needs no
+# network. The package comes from the first of:
+#   1. a wheel uploaded to /content (Colab's Files pane), e.g.
+#      /content/optax_accum-0.1.0-py3-none-any.whl, built in a clone with
+#      `python -m build --wheel` (it lands in dist/);
+#   2. a clone of the repository at /content/optax_accum
+#      (`!git clone <repository URL> /content/optax_accum`);
+#   3. the package index: `optax_accum` once it is published there.
+# (Plain Python rather than `%pip`, so that this source also runs as a script.)
+import glob
+import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
+import tempfile
 
 if importlib.util.find_spec("optax_accum") is None:
-    url = "git+https://github.com/optax-accum/optax_accum"
-    pip = [sys.executable, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"optax_accum[examples] @ {url}"], check=True)
+    wheels = sorted(glob.glob("/content/optax_accum-*.whl"))
+    if wheels:
+        source = wheels[-1]
+    elif os.path.isdir("/content/optax_accum"):
+        source = "/content/optax_accum"
+    else:
+        source = "optax_accum"
+    keep = sorted(
+        f"{d.metadata['Name']}=={d.version}"
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"].lower().startswith(("jax", "libtpu"))
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
+        pins.write("\n".join(keep))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", pins.name]
+    subprocess.run([*pip, f"{source}[examples]"], check=True)
+    print(f"Installed optax_accum from {source}; kept {', '.join(keep) or 'no jax'}")
 
 # %%
 import jax
@@ -68,14 +94,14 @@ for device in jax.devices():
 # %% [markdown]
 # ## The reference model
 #
-# `examples/gpt.py` is not part of the installed package: from a source
-# checkout the notebook loads it from there, on Colab it downloads it.
+# `examples/gpt.py` ships with the source, not with the installed package.
+# The notebook loads it from the first place that has it: the checkout this
+# notebook runs from, a clone at `/content/optax_accum`, or a `gpt.py` you
+# uploaded next to the notebook (on Colab: the Files pane, into `/content`).
 
 # %%
 import functools
 import pathlib
-import tempfile
-import urllib.request
 
 import matplotlib.pyplot as plt
 import optax
@@ -83,13 +109,20 @@ from jax import numpy as jnp
 
 import optax_accum
 
-GPT_URL = (
-    "https://raw.githubusercontent.com/optax-accum/optax_accum/main/examples/gpt.py"
-)
-path = pathlib.Path(optax_accum.__file__).resolve().parents[1] / "examples/gpt.py"
-if not path.exists():  # installed from a wheel (Colab): fetch the model
-    path = pathlib.Path(tempfile.mkdtemp()) / "gpt.py"
-    urllib.request.urlretrieve(GPT_URL, path)
+candidates = [
+    pathlib.Path(optax_accum.__file__).resolve().parents[1] / "examples/gpt.py",
+    pathlib.Path("/content/optax_accum/examples/gpt.py"),
+    pathlib.Path("gpt.py").resolve(),
+    pathlib.Path("/content/gpt.py"),
+]
+path = next((p for p in candidates if p.is_file()), None)
+if path is None:
+    raise FileNotFoundError(
+        "this notebook needs examples/gpt.py of the optax_accum repository: "
+        "upload it next to the notebook (on Colab, to /content) or clone the "
+        "repository to /content/optax_accum; looked in "
+        + ", ".join(map(str, candidates))
+    )
 spec = importlib.util.spec_from_file_location("gpt", path)
 gpt = importlib.util.module_from_spec(spec)
 sys.modules["gpt"] = gpt  # its dataclasses look the module up by name

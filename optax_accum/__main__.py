@@ -76,8 +76,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from ._demo import run_demo
+        from ._demo import INSTALL_HINT, missing_requirements, run_demo
 
+        missing = missing_requirements()
+        if missing:  # before any training: one line, and the fix
+            print(
+                f"error: the demo needs {', '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                f"{INSTALL_HINT}",
+                file=sys.stderr,
+            )
+            return 2
         return run_demo(
             k=args.k,
             b=args.b,

@@ -13,6 +13,7 @@ batch size beyond which a larger batch buys little, early and at the end.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,24 @@ from ._microbatch import microbatch
 from ._states import noise_scale
 
 PLOT_NAME = "optax_accum_demo.png"
+# What the demo imports beyond jax and optax, all in the `examples` extra (the
+# model, the data set, the progress bars, the plot): module -> package name.
+REQUIREMENTS = {
+    "flax": "flax",
+    "sklearn": "scikit-learn",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+}
+INSTALL_HINT = 'pip install "optax_accum[examples]"'
+
+
+def missing_requirements() -> list[str]:
+    """The packages of `REQUIREMENTS` whose module cannot be imported here."""
+    return [
+        package
+        for module, package in REQUIREMENTS.items()
+        if importlib.util.find_spec(module) is None
+    ]
 
 
 @dataclass
