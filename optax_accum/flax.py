@@ -191,17 +191,19 @@ def nnx_train_step(
         _check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-        def loss_of(params, state):
-            # copy=True: fresh Variables at this trace level, since the forward
-            # pass mutates them (BatchStat, RngCount).
-            m = nnx.merge(graphdef, params, state, copy=True)
-            out = loss_fn(m, *batch)
-            loss, aux = out if has_aux else (out, None)
-            return loss, (aux, nnx.split(m, nnx.Param, ...)[2])
+        def fun(params, *batch, state):
+            def loss_of(params, state):
+                # copy=True: fresh Variables at this trace level, since the
+                # forward pass mutates them (BatchStat, RngCount).
+                m = nnx.merge(graphdef, params, state, copy=True)
+                out = loss_fn(m, *batch)
+                loss, aux = out if has_aux else (out, None)
+                return loss, (aux, nnx.split(m, nnx.Param, ...)[2])
 
-        value_and_grad = _value_and_grad(loss_of, loss_scale)
+            return _value_and_grad(loss_of, loss_scale)(params, state)
+
         mb = microbatch_with_state(
-            lambda params, *batch, state: value_and_grad(params, state),
+            fun,
             num_microbatches,
             batch_argnums=tuple(range(1, len(batch) + 1)),
             has_aux=True,

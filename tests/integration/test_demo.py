@@ -65,3 +65,30 @@ def test_demo_end_to_end(tmp_path):
     assert f"Wrote the loss curves to {png}" in text
     assert png.read_bytes().startswith(PNG_MAGIC)
     assert "OK: the accumulated runs match the large batch 24 run" in text
+
+
+HINT = 'pip install "optax_accum[examples]"'
+# Blocks one module as a fresh interpreter starts: `sys.modules[name] = None`
+# makes `import name` raise ImportError and `find_spec(name)` return None.
+RUN_WITHOUT = """
+import runpy, sys
+sys.modules[sys.argv.pop(1)] = None
+sys.argv[0] = "optax_accum"
+runpy.run_module("optax_accum", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_exit_status_of_a_real_run_without_sklearn(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT, "sklearn", "demo", "--out", "plots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "scikit-learn" in lines[0] and lines[0].endswith(HINT), lines[0]
+    assert list(tmp_path.iterdir()) == []  # no plot folder: nothing ran

@@ -182,7 +182,7 @@ def test_data_axes_need_unreduced_grads_and_vice_versa():
 
 
 def test_defer_reduction_errors():
-    with pytest.raises(ValueError, match="`axes`"):
+    with pytest.raises(ValueError, match="`data_axes`"):
         optax_accum.defer_reduction({"w": jnp.ones(2)}, "data")
     with pytest.raises(ValueError, match="not both"):
         optax_accum.accumulate(optax.sgd(1.0), 2, axis_name="d", data_axes="d")
