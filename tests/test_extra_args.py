@@ -215,23 +215,26 @@ def test_value_fn_needs_an_explicit_opt_in():
 def test_value_fn_is_accepted_when_the_window_is_one_micro_batch():
     params = {"w": jnp.array([1.0, -2.0])}
     loss = lambda p: jnp.sum((p["w"] - 3.0) ** 2)
+
+    def steps(tx, n=3):
+        @jax.jit
+        def step(p, state):
+            value, grad = jax.value_and_grad(loss)(p)
+            u, state = tx.update(grad, state, p, value=value, grad=grad, value_fn=loss)
+            return optax.apply_updates(p, u), state
+
+        p, state = params, tx.init(params)
+        for _ in range(n):
+            p, state = step(p, state)
+        return p
+
+    ref = steps(optax.lbfgs())
     for tx in (
         optax_accum.accumulate(optax.lbfgs(), 1),
         optax_accum.MultiSteps(optax.lbfgs(), 1),
     ):
-        ref_tx = optax.lbfgs()
-        state, ref_state = tx.init(params), ref_tx.init(params)
-        p = q = params
-        for _ in range(3):
-            value, grad = jax.value_and_grad(loss)(p)
-            u, state = tx.update(grad, state, p, value=value, grad=grad, value_fn=loss)
-            p = optax.apply_updates(p, u)
-            value, grad = jax.value_and_grad(loss)(q)
-            u, ref_state = ref_tx.update(
-                grad, ref_state, q, value=value, grad=grad, value_fn=loss
-            )
-            q = optax.apply_updates(q, u)
-        chex.assert_trees_all_close(p, q, rtol=1e-6)
+        chex.assert_trees_all_close(steps(tx), ref, rtol=1e-6)
+    tx = optax_accum.accumulate(optax.lbfgs(), 2)
+    value, grad = jax.value_and_grad(loss)(params)
     with pytest.raises(ValueError, match="`value_fn` was passed"):
-        tx = optax_accum.accumulate(optax.lbfgs(), 2)
         tx.update(grad, tx.init(params), params, value=value, grad=grad, value_fn=loss)

@@ -22,7 +22,7 @@ import optax_accum
 
 pytest.importorskip("flax")
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+_PATH = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
 def _load_gpt():
