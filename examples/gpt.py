@@ -6,7 +6,8 @@ One copy, shared by ``benchmarks/bench_transformer.py``, the notebook
 ``notebooks/05_memory_remat`` and ``tests/integration/test_gpt_example.py``.
 A `GPTConfig` sizes it: token embedding plus learned positions, ``n_layers``
 pre-LayerNorm blocks (causal multi-head attention, then a GELU MLP, each in a
-residual branch), a final LayerNorm, and logits from the embedding matrix itself (tied output).
+residual branch), a final LayerNorm, and logits from the embedding matrix
+itself (tied output).
 
 Parameters are float32; the matrix products run in ``config.dtype`` (float32
 or bfloat16), LayerNorm statistics, the softmax and the loss in float32.
