@@ -129,7 +129,7 @@ def _narrow(grads: Any, opts: Options) -> bool:
 def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context):
     """The fused loop: a `Loop`, reduced over ``ctx.axes`` if any."""
     batch_views = views(args, opts)
-    pin = ctx.axes is None and _pin(args, opts)
+    pin = _pin(args, opts)
     margs0 = microbatch_args(args, batch_views, jnp.int32(0), opts, ctx, pin)
     shapes = jax.eval_shape(lambda s: call(fun, margs0, kwargs, s, opts), state)
     how = plan(args, batch_views, shapes, opts, ctx)
