@@ -15,7 +15,7 @@ one to the same parameters, bit for bit.
     python examples/multihost.py --distributed          # one per host: TPU pod
                                                         # slice, SLURM, ...
 
-See docs/readme/multihost.md.
+See docs/guides/many_processes.md.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def checkpoint_manager(directory: str, **options):
     Deletions are renames into `TRASH`; the single-item layout is fixed up
     front, so no directory can change how restores read; the temporary
     directories of interrupted saves are removed at start-up. The recipe and
-    why: docs_snippets/checkpointing.md.
+    why: docs/guides/checkpointing.md.
     """
     import orbax.checkpoint as ocp
 
@@ -165,7 +165,9 @@ def rows(start: int, stop: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def train(args: argparse.Namespace) -> None:
     launched = "OPTAX_ACCUM_PROCESS_ID" in os.environ  # set by launch_local
     if launched or args.distributed:
-        optax_accum.distributed.initialize_distributed(failure_timeout_s=args.failure_timeout)
+        optax_accum.distributed.initialize_distributed(
+            failure_timeout_s=args.failure_timeout
+        )
     else:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 

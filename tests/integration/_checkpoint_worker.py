@@ -10,9 +10,9 @@ micro-batch, and saves every 3 micro-steps (most saves fall in the middle of
 an accumulation window) with ``max_to_keep=2``, so every save from the third
 on deletes an old step. It resumes from ``DIR`` if it holds a checkpoint and
 writes the final parameters and optimizer state to ``OUT`` (.npz).
-``--recipe new`` is the recipe of ``docs_snippets/checkpointing.md``, its code
-run as written; ``--recipe old`` is the plain one: ``max_to_keep`` and
-``latest_step()``.
+``--recipe new`` is the kill-safe recipe of ``docs/guides/checkpointing.md``,
+its code cell run as the page shows it; ``--recipe old`` is the plain one:
+``max_to_keep`` and ``latest_step()``.
 
 ``check`` prints one JSON line: for each step ``all_steps()`` lists, what a
 fresh default `CheckpointManager` restoring it says (``"ok"`` or the error),
@@ -40,7 +40,9 @@ import orbax.checkpoint as ocp  # noqa: E402
 import optax_accum  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SNIPPET = ROOT / "docs_snippets" / "checkpointing.md"
+PAGE = ROOT / "docs" / "guides" / "checkpointing.md"
+# A MyST code cell: its fence line, then its source up to the closing fence.
+CODE_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", re.S | re.M)
 K, SAVE_EVERY, KEEP = 4, 3, 2
 OPTIONS = {
     "save_interval_steps": SAVE_EVERY,
@@ -50,10 +52,24 @@ OPTIONS = {
 
 
 def recipe() -> dict:
-    """The docs recipe: the first python code block of the snippet, run."""
-    code = re.search(r"```python\n(.*?)```", SNIPPET.read_text(), re.S).group(1)
+    """The docs recipe, run: the page's one code cell that defines
+    ``checkpoint_manager``, exactly as the page shows it (no cell options,
+    which would hide lines or change how it runs)."""
+    cells = [
+        code
+        for code in CODE_CELL.findall(PAGE.read_text())
+        if "def checkpoint_manager(" in code
+    ]
+    if len(cells) != 1:
+        raise RuntimeError(
+            f"{PAGE} must have exactly one code cell defining "
+            f"`checkpoint_manager`, found {len(cells)}."
+        )
+    code = cells[0]
+    if code.startswith((":", "---")):
+        raise RuntimeError(f"The recipe's code cell in {PAGE} must have no options.")
     namespace: dict = {}
-    exec(compile(code, str(SNIPPET), "exec"), namespace)
+    exec(compile(code, str(PAGE), "exec"), namespace)
     return namespace
 
 

@@ -7,9 +7,9 @@ A child process trains with `accumulate` (saves fall mid-window) and Orbax's
 (`_kill_points` pauses it there and prints a line; the test then sends a real
 SIGKILL), or at random moments. A fresh process then resumes and must end bit
 for bit where an uninterrupted run ends, and every step Orbax lists must
-restore. The recipe tested is the code of ``docs_snippets/checkpointing.md``
-as written (``todelete_subdir``); the plain recipe is kept as a case that
-shows what the same kill breaks. ``examples/multihost.py`` gets the same kill.
+restore. The recipe tested is the code cell of ``docs/guides/checkpointing.md``
+as the page shows it (``todelete_subdir``); the plain recipe is kept as a case
+that shows what the same kill breaks. ``examples/multihost.py`` gets the same kill.
 """
 
 from __future__ import annotations
