@@ -318,10 +318,11 @@ def state_specs(state: Any, axis_name: AxisName) -> Any:
     """Partition specs for keeping `accumulate` state across ``shard_map`` calls.
 
     With ``axis_name``, each device accumulates its own gradients, so the
-    accumulator, the weight sum and the skip state are device-local: they have a
-    leading axis of length 1 inside ``shard_map`` and stack into a global
+    accumulator, the mean weight, the value accumulator, the skip state and
+    the noise scale's window sums are device-local: they have a leading axis
+    of length 1 inside ``shard_map`` and stack into a global
     ``(num_devices, ...)`` array outside it. Everything else (counters, the
-    inner optimizer's state) is replicated.
+    inner optimizer's state, the noise scale's EMAs) is replicated.
 
     Args:
       state: a state (or ``jax.eval_shape`` of one) that contains

@@ -170,7 +170,9 @@ def plan_microbatch(
         (GPU, TPU). Required on the CPU, which reports none.
       max_microbatch_size: largest size to consider, default the target.
       multiple_of: candidates are multiples of this, e.g. the number of
-        data-parallel devices.
+        data-parallel devices. The batch is lowered as ``step`` places it: a
+        ``jax.jit`` step with ``in_shardings`` is planned per device, a plain
+        function unsharded.
       divisors_only: only consider sizes that divide the target.
       device: the device whose free memory is the default budget, default
         ``jax.devices()[0]``.

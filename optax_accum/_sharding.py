@@ -211,7 +211,8 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
 
     Under an Auto mesh, ``jax.jit(tx.init)`` leaves the placement of buffers
     that do not depend on the parameters' values (zeros: the accumulator,
-    Adam's moments) to the compiler, which replicates them. Pass these to
+    Adam's moments) to the compiler, which replicates them (under
+    ``jax.set_mesh``) or puts them on one device (without it). Pass these to
     ``out_shardings`` (or to Orbax's restore as the target shardings): every
     subtree of the state with the parameters' structure and shapes gets the
     parameters' shardings, every other leaf is replicated. This is what optax

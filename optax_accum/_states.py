@@ -122,11 +122,12 @@ def noise_scale(state: Any, microbatch_size: int | None = None) -> NoiseScale:
         \quad S \approx \frac{|G_\text{small}|^2 - |G_\text{big}|^2}
             {1/B_\text{small} - 1/B_\text{big}}.
 
-    Batch sizes count units of ``weight``: micro-batches when no weight is
-    passed (each weighs 1), tokens with token weighting. Pass
-    ``microbatch_size`` (examples per micro-batch, per device) to count
-    examples instead: ``b_simple``, ``trace_sigma``, ``b_small`` and ``b_big``
-    are then multiplied by it.
+    Batch sizes count units of ``weight``: for `accumulate` and `MultiSteps`,
+    micro-batches when no weight is passed (each weighs 1), tokens with token
+    weighting. Pass ``microbatch_size`` (examples per micro-batch, per device)
+    to count examples instead: ``b_simple``, ``trace_sigma``, ``b_small`` and
+    ``b_big`` are then multiplied by it. `microbatch`'s tracker already counts
+    rows (or the ``weight_fn`` weights): read it without ``microbatch_size``.
 
     Args:
       state: the state of `accumulate` or `MultiSteps` built with

@@ -70,7 +70,8 @@ def initialize_distributed(
       ``JaxRuntimeError`` ("Gloo all-reduce failed: ... Timed out").
 
     A peer whose process is gone closes its sockets, so a gloo collective
-    fails at once ("Connection closed by peer"). ``failure_timeout_s`` must
+    often fails at once ("Connection closed by peer"); where it waits
+    instead, the heartbeat timeout ends the job. ``failure_timeout_s`` must
     exceed the longest time one process may legitimately wait in a collective
     for another: a slower compile, a checkpoint, data loading.
 
