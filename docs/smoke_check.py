@@ -153,22 +153,28 @@ def _find_chromium(given: str | None) -> str:
 
 
 def _pages(html: Path) -> list[tuple[str, str]]:
-    """(label, path) of the index, an API page and a notebook page."""
+    """(label, path) of the index, an API page, a guide and a notebook page."""
     api = sorted((html / "api" / "generated").glob("*.html"))
     preferred = html / "api" / "generated" / "optax_accum.accumulate.html"
+    guides = sorted((html / "guides").glob("*.html"))
+    preferred_guide = html / "guides" / "accumulate.html"
     notebooks = sorted((html / "notebooks").glob("*.html"))
     # A notebook page with a plot (an image of the site), where one has any.
     with_plot = [p for p in notebooks if "_images/" in p.read_text(errors="replace")]
     missing = [
-        what for what, found in [("API", api), ("notebook", notebooks)] if not found
+        what
+        for what, found in [("API", api), ("guide", guides), ("notebook", notebooks)]
+        if not found
     ]
     if missing or not (html / "index.html").exists():
         sys.exit(f"smoke check: {html} lacks pages: index, {', '.join(missing)}")
     api_page = preferred if preferred.exists() else api[0]
+    guide = preferred_guide if preferred_guide.exists() else guides[0]
     notebook = (with_plot or notebooks)[0]
     return [
         ("index", "index.html"),
         ("api", api_page.relative_to(html).as_posix()),
+        ("guide", guide.relative_to(html).as_posix()),
         ("notebook", notebook.relative_to(html).as_posix()),
     ]
 
