@@ -31,9 +31,8 @@ import numpy as np  # noqa: E402
 # for `tests.helpers`.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from optax_accum.distributed import ENV_COORDINATOR, ENV_PROCESS_ID  # noqa: E402
-
 import optax_accum  # noqa: E402
+from optax_accum.distributed import ENV_COORDINATOR, ENV_PROCESS_ID  # noqa: E402
 
 NUM_PROCESSES = 2
 D, H = 8, 16  # input features, hidden units
