@@ -78,7 +78,7 @@ ANCHOR = ("none", "f32")
 # compiled step whose buffers do not depend on k, so it is measured at
 # "acc_ks" (anchor) and "acc_ks_other". The hand scan and optax.MultiSteps are
 # measured at "target_ks". On the CPU, XLA compiles the 10M model in 5 to 30 s
-# per variant on 2 busy cores, so the grid is cut there (see README): 43
+# per variant on 2 busy cores, so the grid is cut there: 43
 # variants, 39 minutes on a 2-core machine loaded by other jobs.
 SIZES: dict[str, dict[str, Any]] = {
     "cpu": {

@@ -39,8 +39,9 @@
 # decoder of `examples/gpt.py` (GPT-2 small on a GPU or TPU, a tiny one on the
 # CPU). Nothing is run to measure memory: every step is compiled ahead of time
 # and XLA's memory analysis gives its peak, `argument + output - alias + temp`
-# bytes (`optax_accum.compiled_memory_bytes`). Time is in the README's
-# transformer table (`benchmarks/bench_transformer.py`).
+# bytes (`optax_accum.compiled_memory_bytes`). Time is in the transformer
+# table of `benchmarks/results/transformer_cpu.md` (`python
+# benchmarks/bench_transformer.py`).
 
 # %%
 # Installs optax_accum where it is missing (a fresh Colab runtime) and keeps
@@ -318,8 +319,8 @@ for (method, dtype), ratio in remat_saving.items():
 # does not: XLA:CPU does recompute (the compiled step has more matrix
 # products with remat), but its scheduler runs the recomputation early, so the
 # recomputed activations are alive as long as saved ones would be. The CPU
-# rows of this notebook (and the README's CPU table) show accumulation and
-# precision; the remat rows need an accelerator.
+# rows of this notebook (and benchmarks/results/transformer_cpu.md) show
+# accumulation and precision; the remat rows need an accelerator.
 
 # %% [markdown]
 # ## What the state costs: bfloat16 compute, float32 state

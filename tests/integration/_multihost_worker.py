@@ -177,7 +177,8 @@ def main(out_dir: str) -> None:
     results.update(hsdp)
     counts.update(hsdp_counts)
 
-    # Baselines for the README's cost table (compiled only, not run).
+    # Baselines for the cost table of docs/guides/many_processes.md (compiled
+    # only, not run).
     counts.update(_baselines(mesh, params0, loss, own_rows, xs, ys, specs))
 
     gather = jax.jit(lambda t: t, out_shardings=replicated)

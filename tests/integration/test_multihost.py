@@ -80,7 +80,7 @@ def test_two_processes_reach_the_full_batch_result(tmp_path):
     assert counts["microbatch"]["every_call"] >= 1
     # HSDP (data across the processes, FSDP within): microbatch crosses the
     # data axis once per update, after the loop; accumulate's global-view
-    # jax.grad crosses it on every micro-step (the README's table).
+    # jax.grad crosses it on every micro-step (docs/guides/many_processes.md).
     hsdp_mb, hsdp_acc = counts["hsdp_microbatch"], counts["hsdp_accumulate"]
     assert hsdp_mb["in_loop"] == 0 and hsdp_mb["every_call"] >= 1, hsdp_mb
     assert hsdp_acc["every_call"] >= 1, hsdp_acc
