@@ -96,7 +96,8 @@ class Engine:
       skip: ``(grads, update_step, params) -> (should_skip, skip_state)``.
       devices: local, or per device of an axis name.
       data_axes: mesh axes over which the gradients arrive unreduced.
-      extra_args: how to read the extra args (``read(extra_args, value_slot)``).
+      extra_args: how to read one call's extra args,
+        ``(extra_args, *, value_slot) -> WindowArgs`` (`_extra_args.read`).
       noise_scale_decay: the noise-scale EMA decay, or None.
     """
 
@@ -108,7 +109,7 @@ class Engine:
     skip: SkipDecider | None
     devices: Devices
     data_axes: tuple[str, ...]
-    extra_args: Callable[[dict, bool], _extra_args.WindowArgs]
+    extra_args: Callable[..., _extra_args.WindowArgs]  # (extra_args, *, value_slot)
     noise_scale_decay: float | None
 
     # ---- the state ---------------------------------------------------------

@@ -72,15 +72,10 @@ def batch_mesh(args: list, kwargs: dict, state: Any, opts: Options) -> Any:
 
 
 def to_varying(tree: Any, axes: tuple) -> Any:
-    """pcast leaves to varying, so their cotangents stay local (no psum)."""
-
-    def cast(x):
-        if not _is_array(x):
-            return x
-        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
+    """Array leaves cast to varying, so their cotangents stay local (no psum)."""
+    return jax.tree.map(
+        lambda x: _sharding.varying(x, axes) if _is_array(x) else x, tree
+    )
 
 
 def _reduce_state(new: jax.Array, old: Any, axes: tuple) -> jax.Array:

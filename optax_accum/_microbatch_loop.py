@@ -165,14 +165,12 @@ def _varying_like(x: jax.Array, s: Any) -> jax.Array:
     """``x`` varying over the manual axes ``s`` (a ShapeDtypeStruct) varies
     over, as a ``shard_map`` loop carry must be."""
     vary = tuple(getattr(s.manual_axis_type, "varying", ()) or ())
-    return lax.pcast(x, vary, to="varying") if vary else x
+    return _sharding.varying(x, vary)
 
 
 def _match(new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` varying over whatever manual axes ``old`` varies over."""
-    vary = jax.typeof(old).mat.varying
-    missing = tuple(a for a in vary if a not in jax.typeof(new).mat.varying)
-    return lax.pcast(new, missing, to="varying") if missing else new
+    return _sharding.varying(new, tuple(jax.typeof(old).mat.varying))
 
 
 def _zeros(s: Any, dtype: Any) -> jax.Array:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,6 +71,14 @@ def unreduced(x: Any) -> frozenset:
     """Mesh axes over which ``x`` holds unreduced partial sums."""
     spec = explicit_spec(x)
     return frozenset(getattr(spec, "unreduced", ()) or ()) if spec else frozenset()
+
+
+def varying(x: jax.Array, axes: Sequence[Any]) -> jax.Array:
+    """``x`` varying over ``axes`` (manual ``shard_map`` axes): cast over
+    those it does not vary over yet. Its cotangent then stays per device, and
+    it can stand in a loop carry beside values that vary."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> Any:
