@@ -19,6 +19,7 @@ from ._learning_rate import scale_learning_rate as scale_learning_rate
 from ._loss_scale import ScaledGrads as ScaledGrads
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
 from ._microbatch import microbatch as microbatch
+from ._microbatch_grad import microbatch_value_and_grad as microbatch_value_and_grad
 from ._microbatch_options import WeightFn as WeightFn
 from ._multisteps import MultiSteps as MultiSteps
 from ._multisteps import MultiStepsState as MultiStepsState
@@ -101,6 +102,7 @@ __all__ = [
     "find_state",
     "has_updated",
     "microbatch",
+    "microbatch_value_and_grad",
     "noise_scale",
     "plan_microbatch",
     "scale_learning_rate",

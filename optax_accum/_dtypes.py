@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PROMOTE = "promote"
 
@@ -65,6 +66,13 @@ def compute(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def is_narrow(dtype: Any) -> bool:
+    """A floating buffer narrower than float32 (float16, bfloat16, ...): a
+    window keeps a running mean there, whose error does not grow with k."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
 def real(dtype: Any) -> Any:
     """The real dtype of ``dtype``'s precision (complex128 -> float64)."""
     return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else dtype
@@ -89,3 +97,22 @@ def is_differentiable(dtype: Any) -> bool:
 def is_float0(x: Any) -> bool:
     """A gradient of an integer input (``jax.grad(..., allow_int=True)``)."""
     return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def without_float0(tree: Any) -> Any:
+    """``tree`` with its float0 leaves (integer inputs' gradients) as None:
+    nothing to accumulate, and no buffer for them."""
+    return jax.tree.map(lambda x: None if is_float0(x) else x, tree)
+
+
+def with_float0(tree: Any, like: Any) -> Any:
+    """`without_float0` undone: ``like``'s float0 leaves back as float0 zeros."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+    like_leaves, treedef = jax.tree.flatten(like)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            np.zeros(s.shape, jax.dtypes.float0) if is_float0(s) else x
+            for s, x in zip(like_leaves, leaves, strict=True)
+        ],
+    )

@@ -24,7 +24,7 @@ from ._deprecations import renamed_arguments
 from ._loss_scale import ScaledGrads
 from ._microbatch_call import batch_size
 from ._microbatch_local import device_local, to_varying
-from ._microbatch_loop import Loop, scan, single
+from ._microbatch_loop import Loop, scan
 from ._microbatch_options import (
     Context,
     Options,
@@ -53,6 +53,7 @@ def microbatch(
     data_axes: AxisName | None = None,
     param_gather: str | None = None,
     noise_scale_decay: float | None = None,
+    aux_rows: Any = None,
 ) -> Callable[..., Any]:
     r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
 
@@ -74,8 +75,8 @@ def microbatch(
     with ``w_i = weight_fn(*microbatch_args)`` or 1. With the number of valid
     tokens as weight and a token-mean loss, the mean is the full-batch token
     mean exactly. ``aux`` comes back stacked along a new leading axis of length
-    ``k``. With ``k = 1`` there is no loop: ``fun``'s result comes back as is
-    (``aux`` gains its leading axis of length 1).
+    ``k``. Every ``k`` has these semantics, ``k = 1`` included (weights,
+    reduction and all; XLA removes the loop of one trip, so it costs nothing).
 
     **Weights** follow `accumulate`'s contract: a weight of 0 contributes
     nothing (even a NaN token mean), a NaN, infinite or negative weight
@@ -83,16 +84,13 @@ def microbatch(
     one device it changes only that device's contribution), and sums are
     normalised by the largest weight, so they cannot overflow. All k weights
     are computed before the loop, in one vectorised pass over the
-    micro-batches. In the global view, each micro-batch's share
-    ``w_i / sum_j w_j`` is then applied inside the backward pass:
-    ``microbatch`` differentiates ``share * value`` w.r.t. ``fun``'s first
-    argument itself, so that the loop accumulates with a plain add and an
-    accelerator's compiler can move the gradients' reduction out of the loop.
-    This needs ``fun`` to be a value-and-grad function of its first argument,
-    as ``jax.value_and_grad(loss)`` is: its gradients shaped like that
-    argument, its value a float32 or float64 scalar. Where that does not
-    hold (``argnums`` other than 0, a low-precision value, `ScaledGrads`),
-    ``fun``'s own gradients are scaled after it instead.
+    micro-batches. ``fun``'s gradients are used as it returns them (clipped,
+    projected, whatever ``fun`` does): each is cast to the buffer's precision
+    and then weighted, after ``fun``. In the token-weighted global view an
+    accelerator's compiler then reduces the gradients over the data axes
+    inside the loop, once per micro-batch; `microbatch_value_and_grad`, which
+    takes the loss and differentiates it itself, applies the weights inside
+    the backward pass and keeps that reduction out of the loop.
 
     **fp16 loss scaling.** ``fun`` may return `ScaledGrads` (from
     `scaled_value_and_grad`): the result is then a `ScaledGrads` of the whole
@@ -128,7 +126,8 @@ def microbatch(
     them; other axes, e.g. ``"fsdp"`` or ``"model"``, keep their sharding).
     ``aux`` leaves with the micro-batch's rows on axis 0 are gathered; other
     floating leaves are (weighted) averaged over devices, integer leaves
-    summed. Under an Auto mesh, call it under ``jax.set_mesh``. Inside
+    summed; which leaves hold rows is declared with ``aux_rows``, never
+    guessed from a shape. Under an Auto mesh, call it under ``jax.set_mesh``. Inside
     ``shard_map`` or ``pmap``, pass ``axis_name``: each device accumulates
     its own micro-batches and the weighted reduction over devices runs
     once, after the loop.
@@ -162,6 +161,12 @@ def microbatch(
       param_gather: ``"per_micro_batch"``, ``"once"`` or ``None`` (the
         former where parameters are sharded over the batch's Explicit mesh
         axes, else the latter). See FSDP above.
+      aux_rows: with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold
+        the micro-batch's rows on axis 0 and are gathered over devices
+        (``True``), and which are statistics to average (``False``); a bool
+        for all leaves, or a pytree prefix of ``aux`` with bool leaves. Left
+        ``None``, a leaf that could be either (its leading size is the rows
+        per device) raises a ValueError naming it; the others are averaged.
       noise_scale_decay: ``None``, or the EMA decay in (0, 1) of the gradient
         noise scale, measured from the k micro-batch gradients and their mean
         (see `accumulate` and `noise_scale`). The result then takes a keyword
@@ -171,7 +176,9 @@ def microbatch(
         ``last_trace``, ``b_small`` and ``b_big`` are this step's statistics.
         Batch sizes count rows (examples), or the ``weight_fn`` weights.
         Needs ``reduction="mean"`` and ``num_microbatches`` >= 2 (or several
-        devices with ``axis_name``). In the global view each micro-batch's
+        devices with ``axis_name`` or ``data_axes``); ``num_microbatches=1``
+        alone is refused. Steps whose `ScaledGrads` are not ``finite`` (an
+        fp16 overflow, skipped by the caller) are not observed. In the global view each micro-batch's
         squared norm reads its reduced gradient, so on an accelerator that
         reduction stays in the loop; the device-local mode measures per
         device and adds nothing to its one reduction.
@@ -211,6 +218,7 @@ def microbatch(
         data_axes=data_axes,
         param_gather=param_gather,
         noise_scale_decay=noise_scale_decay,
+        aux_rows=aux_rows,
     )
     return _microbatched(fun, opts)
 
@@ -250,9 +258,9 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
         if opts.decay is None:
             return result
         tracker = ns.init((), None) if tracker is None else tracker
-        return result, ns.close(
-            tracker, jnp.bool_(True), out.noise, opts.decay, None, 1
-        )
+        # A step the caller skips (fp16 overflow) is not observed.
+        observed = jnp.bool_(True) if out.scaled is None else out.scaled.finite
+        return result, ns.close(tracker, observed, out.noise, opts.decay, None, 1)
 
     for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
         if hasattr(fun, attr):
@@ -271,10 +279,7 @@ def _run(fun, opts: Options, args: list, kwargs: dict, state: Any) -> Loop:
             for i, a in enumerate(args)
         ]
         kwargs, state = to_varying((kwargs, state), opts.axis_name)
-        loop = single if opts.k == 1 else scan
-        return loop(fun, args, kwargs, state, opts, Context(opts.axis_name))
-    if opts.k == 1:
-        return single(fun, args, kwargs, state, opts, Context())
+        return scan(fun, args, kwargs, state, opts, Context(opts.axis_name))
     if opts.data_axes is not None:
         return device_local(fun, args, kwargs, state, opts, size)
     mesh = _sharding.batch_mesh_of([args[i] for i in opts.batch_idx])

@@ -3,8 +3,9 @@
 """The micro-batches of `microbatch`, and one call of ``fun`` on one of them.
 
 The batch size, the copy-free micro-batch views, one micro-batch's arguments
-(its rows, its PRNG keys), one call of ``fun`` taken apart, the same call with
-the weight inside the backward pass, and all k weights in one pass. The loop
+(its rows, its PRNG keys), one call of a value-and-grad ``fun`` taken apart,
+the loss face's own differentiation (the one place a weight may enter the
+backward pass), and all k weights in one pass. The loop
 that drives them is `_microbatch_loop`'s.
 """
 
@@ -114,51 +115,83 @@ def call(fun: Any, args: list, kwargs: dict, state: Any, opts: Options) -> Call:
     return Call(value, grads, aux, state, None)
 
 
-def call_scaled(fun, args: list, kwargs, state, opts: Options, seed) -> Call:
-    """``fun``'s value differentiated with the cotangent ``seed``.
+def differentiate(loss, args: list, kwargs, state, opts: Options, seed=None) -> Call:
+    """The loss face: ``loss`` differentiated here w.r.t. ``opts.argnums``.
 
-    The gradient of ``seed * value`` w.r.t. the first argument is computed
-    here, so the scale sits inside the backward pass, before the compiler's
-    reduction of the gradient over the data axes; ``fun``'s own gradients are
-    dead code that XLA removes. Used where `backward_scalable` holds.
+    With ``seed`` (a micro-batch's weight multiplier) the backward pass
+    starts from ``seed`` instead of 1, so the gradients come out weighted and
+    the loop adds them with a plain add, before the compiler's reduction over
+    the data axes. The library may do that because it owns this derivative.
     """
+    idx = (opts.argnums,) if isinstance(opts.argnums, int) else opts.argnums
+    _check_differentiable(args, idx)
 
-    def value_of(first):
-        out = call(fun, [first, *args[1:]], kwargs, state, opts)
-        return out.value, (out.value, out.aux, out.state)
+    def value_of(*primals):
+        full = list(args)
+        for j, x in zip(idx, primals, strict=True):
+            full[j] = x
+        if opts.stateful:
+            out, new_state = loss(*full, state=state, **kwargs)
+        else:
+            out, new_state = loss(*full, **kwargs), state
+        value, aux = _value_and_aux(out, opts.has_aux)
+        return value, (value, aux, new_state)
 
-    _, vjp, (value, aux, new_state) = jax.vjp(value_of, args[0], has_aux=True)
-    (grads,) = vjp(seed.astype(value.dtype))
+    _, vjp, (value, aux, new_state) = jax.vjp(
+        value_of, *(args[j] for j in idx), has_aux=True
+    )
+    ct = jnp.ones_like(value) if seed is None else seed.astype(value.dtype)
+    grads = vjp(ct)
+    grads = grads[0] if isinstance(opts.argnums, int) else tuple(grads)
     return Call(value, grads, aux, new_state, None)
 
 
-def backward_scalable(args: list, shapes: Call, opts: Options, ctx: Context) -> bool:
-    """Whether the weights can go inside the backward pass: the global view,
-    ``fun`` a value-and-grad function of its first argument (gradients shaped
-    like it, as ``jax.value_and_grad(loss)``'s are) and a float32 or float64
-    value, at least as precise as the weights."""
-    if opts.weight_fn is None or ctx.axes is not None or shapes.scaled is not None:
-        return False
-    if 0 in opts.batch_idx or 0 in opts.rng_idx:
-        return False
-    value_dtype = jnp.dtype(shapes.value.dtype)
-    # The seed is cast to the value's dtype: it must hold the weights' precision.
-    if value_dtype not in (
-        jnp.float32,
-        jnp.float64,
-    ) or value_dtype != jnp.promote_types(
-        value_dtype, _dtypes.weight_dtype(shapes.grads)
+def run(fun, args: list, kwargs, state, opts: Options, seed=None) -> Call:
+    """One micro-batch through ``fun``: the loss face differentiates (with
+    ``seed`` inside the backward pass); a value-and-grad ``fun`` is called."""
+    if opts.differentiates:
+        return differentiate(fun, args, kwargs, state, opts, seed)
+    return call(fun, args, kwargs, state, opts)
+
+
+def _value_and_aux(out: Any, has_aux: bool) -> tuple:
+    """The loss's ``value`` (a real scalar, as `jax.grad` requires) and aux."""
+    if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise TypeError(
+                "with `has_aux=True` the loss must return (value, aux), got "
+                f"{type(out).__name__}."
+            )
+        value, aux = out
+    else:
+        value, aux = out, None
+    dtype = getattr(value, "dtype", None)
+    if jnp.shape(value) != () or dtype is None or not jnp.issubdtype(
+        dtype, jnp.floating
     ):
-        return False
-    first, grads = args[0], shapes.grads
-    if jax.tree.structure(first) != jax.tree.structure(grads):
-        return False
-    return all(
-        jnp.shape(p) == g.shape
-        and jnp.result_type(p) == g.dtype
-        and _dtypes.is_differentiable(g.dtype)
-        for p, g in zip(jax.tree.leaves(first), jax.tree.leaves(grads), strict=True)
-    )
+        raise TypeError(
+            "the loss must return a real floating scalar (as jax.grad requires), "
+            f"got shape {jnp.shape(value)} and dtype {dtype}."
+        )
+    return value, aux
+
+
+def _check_differentiable(args: list, idx: tuple) -> None:
+    """As `jax.grad`: the differentiated arguments hold floating leaves."""
+    for j in idx:
+        if j >= len(args):
+            raise ValueError(
+                f"`argnums` index {j} is out of range for {len(args)} positional "
+                "arguments."
+            )
+        for path, x in jax.tree_util.tree_leaves_with_path(args[j]):
+            if not _dtypes.is_differentiable(jnp.result_type(x)):
+                raise TypeError(
+                    f"argument {j}{jax.tree_util.keystr(path)} has dtype "
+                    f"{jnp.result_type(x)}: the loss face differentiates w.r.t. "
+                    "`argnums`, whose leaves must be floating (or complex), as "
+                    "jax.grad requires. Move integer leaves to another argument."
+                )
 
 
 def weights(batch_views: dict, opts: Options, dtype: Any) -> jax.Array:

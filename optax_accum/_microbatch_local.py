@@ -123,9 +123,9 @@ def device_local(
     is_batch = jax.tree.leaves((flags, *jax.tree.map(lambda _: False, (kwargs, state))))
     dyn = [i for i, x in enumerate(flat) if is_batch[i] or _is_array(x)]
     # Which aux leaves hold the micro-batch's rows (axis 1, after the stacking
-    # axis) is read from the device-local shapes while the loop is traced, so
-    # `fun` never runs outside the device-local context.
-    rows = _RowLeaves(size // k // n_dev)
+    # axis) is declared (`aux_rows`), and checked against the device-local
+    # shapes while the loop is traced, so `fun` never runs outside it.
+    rows = _RowLeaves(size // k // n_dev, opts.aux_rows)
 
     def rebuild(leaves, cast):
         full = list(flat)
@@ -157,17 +157,51 @@ def device_local(
 
 
 class _RowLeaves:
-    """The ``aux`` leaves that hold a micro-batch's rows, found while tracing:
-    those are gathered over devices; the others are reduced inside and gain a
-    device axis of length 1, so one out_spec serves every leaf."""
+    """The ``aux`` leaves that hold a micro-batch's rows, as declared by
+    ``aux_rows``: those are gathered over devices; the others are reduced
+    inside and gain a device axis of length 1, so one out_spec serves every
+    leaf. Undeclared, a leaf that could be either raises: a per-feature
+    statistic as long as the rows per device must not be gathered by chance."""
 
-    def __init__(self, rows_here: int):
+    def __init__(self, rows_here: int, declared: Any):
         self.rows_here = rows_here
+        self.declared = declared
         self.is_row: list[bool] = []
+
+    def _flags(self, aux: Any) -> list[bool]:
+        paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(aux)]
+        leaves = jax.tree.leaves(aux)
+        fits = [a.ndim >= 2 and a.shape[1] == self.rows_here for a in leaves]
+        if self.declared is None:
+            for path, fit in zip(paths, fits, strict=True):
+                if fit:
+                    raise ValueError(
+                        f"`aux` leaf {jax.tree_util.keystr(path)} has "
+                        f"{self.rows_here} entries on axis 0, the rows per device "
+                        "of a micro-batch: it could be rows (to gather over "
+                        "devices) or a statistic (to average). Declare which "
+                        "with `aux_rows` (True, False, or a pytree prefix of aux)."
+                    )
+            return fits
+        flags = jax.tree.leaves(
+            jax.tree.map(
+                lambda flag, sub: jax.tree.map(lambda _: flag, sub),
+                self.declared,
+                aux,
+            )
+        )
+        for path, flag, fit in zip(paths, flags, fits, strict=True):
+            if flag and not fit:
+                raise ValueError(
+                    f"`aux_rows` declares `aux` leaf {jax.tree_util.keystr(path)} "
+                    f"row-wise, but its axis 0 is not the {self.rows_here} rows "
+                    "per device of a micro-batch."
+                )
+        return flags
 
     def reduce(self, aux: Any, ws: jax.Array, axes: tuple) -> Any:
         leaves, aux_def = jax.tree.flatten(aux)
-        self.is_row = [a.ndim >= 2 and a.shape[1] == self.rows_here for a in leaves]
+        self.is_row = self._flags(aux)
         return jax.tree.unflatten(
             aux_def,
             [

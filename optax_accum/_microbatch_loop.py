@@ -4,16 +4,20 @@
 
 The data path: the `plan` of the loop (all k weights first, in one vectorised
 pass, and each micro-batch's multiplier), the loop (`scan`: one micro-batch
-into the carry per step, `_add`), the one reduction after it (`_finish`), and
-the loop-free path for k = 1 (`single`). One micro-batch's arguments and one
-call of ``fun`` are `_microbatch_call`'s.
+into the carry per step, `_add`) and the one reduction after it (`_finish`).
+Every k runs this one path: XLA removes a loop of one trip, so k = 1 costs no
+loop and has no semantics of its own. One micro-batch's arguments and one call
+of ``fun`` are `_microbatch_call`'s.
 
 What an accelerator's compiler needs from the loop body: each gradient reaches
 the carry through a plain add (or a select against zero), so that XLA's
 while-loop all-reduce code motion can sink the gradients' reduction out of the
-loop, leaving one per step. So weights are computed before the loop and, in
-the global view, applied inside the backward pass (`call_scaled`), never as a
-running mean or a scale between the gradient and the add.
+loop, leaving one per step. So weights are computed before the loop and, where the
+library differentiates (the loss face, in the global view), applied inside the
+backward pass (`_microbatch_call.differentiate`), never as a running mean or a
+scale between the gradient and the add. A value-and-grad ``fun``'s gradients
+are its own: they are weighted after it (cast to the buffer's precision
+first), and on an accelerator the reduction then stays in the loop.
 """
 
 from __future__ import annotations
@@ -27,15 +31,7 @@ from jax import lax
 from . import _devices, _dtypes, _sharding, _weights
 from . import _noise_scale as ns
 from ._loss_scale import ScaledGrads
-from ._microbatch_call import (
-    Call,
-    backward_scalable,
-    call,
-    call_scaled,
-    microbatch_args,
-    views,
-    weights,
-)
+from ._microbatch_call import Call, microbatch_args, run, views, weights
 from ._microbatch_options import Context, Options
 
 
@@ -44,11 +40,13 @@ class Plan(NamedTuple):
 
     ``weights`` (k,) are the admitted weights (None: unweighted);
     ``multipliers`` (k,) scale each micro-batch's gradient (None: 1);
-    ``in_backward``: they are applied inside the backward pass; ``divisor``
-    divides the sum after the loop and the reduction over devices. With
-    ``running`` (a float16 buffer, where a sum can overflow though the mean
-    fits) the loop keeps a running mean instead: ``multipliers`` are its
-    coefficients, and ``local_weight`` weighs the device's mean over devices.
+    ``in_backward``: they are applied inside the backward pass (the loss face
+    only); ``divisor`` divides the sum after the loop and the reduction over
+    devices. With ``running`` (a buffer narrower than float32: in float16 a
+    sum can overflow though the mean fits, in bfloat16 adding a small gradient
+    to a large sum is lost) the loop keeps a running mean instead, as
+    `accumulate` does: ``multipliers`` are its coefficients, and
+    ``local_weight`` weighs the device's mean over devices.
     """
 
     weights: jax.Array | None
@@ -83,6 +81,8 @@ def plan(args, batch_views, shapes: Call, opts: Options, ctx: Context) -> Plan:
     """The weights, multipliers and divisor of the loop (see `Plan`)."""
     devices = 1 if ctx.axes is None else lax.axis_size(ctx.axes)
     count = opts.k * devices
+    # Device-local: each device holds 1/devices of every micro-batch.
+    parts = devices if ctx.local else 1
     running = _narrow(shapes.grads, opts) and opts.reduction.runs_in_narrow_buffers()
     ws = None
     if opts.weight_fn is not None:
@@ -90,14 +90,16 @@ def plan(args, batch_views, shapes: Call, opts: Options, ctx: Context) -> Plan:
     if running:
         return _running_plan(ws, opts, ctx)
     if ws is None:
-        return Plan(None, None, False, opts.reduction.loop_divisor(count))
+        return Plan(None, None, False, opts.reduction.loop_divisor(count, parts))
     if ctx.axes is None:
         multipliers = opts.reduction.loop_scales(ws)
     else:  # over every device's weights: one all-gather of k scalars
         every = lax.all_gather(ws, ctx.axes)
         multipliers = opts.reduction.loop_scales(every)[lax.axis_index(ctx.axes)]
-    in_backward = backward_scalable(args, shapes, opts, ctx)
-    return Plan(ws, multipliers, in_backward, opts.reduction.loop_divisor(count))
+    # Only where the library differentiates, and the compiler reduces in the
+    # loop (the global view): the weights then go inside the backward pass.
+    in_backward = opts.differentiates and ctx.axes is None
+    return Plan(ws, multipliers, in_backward, opts.reduction.loop_divisor(count, 1))
 
 
 def _running_plan(ws: jax.Array | None, opts: Options, ctx: Context) -> Plan:
@@ -116,11 +118,10 @@ def _running_plan(ws: jax.Array | None, opts: Options, ctx: Context) -> Plan:
 
 
 def _narrow(grads: Any, opts: Options) -> bool:
-    """Whether some gradient accumulates in a float16-range buffer, where a
-    sum of k micro-batches can overflow though their mean fits."""
+    """Whether some gradient accumulates in a buffer narrower than float32
+    (`_dtypes.is_narrow`), as `accumulate`'s running mean treats it."""
     return any(
-        float(jnp.finfo(_dtypes.for_gradient(g.dtype, opts.accumulator_dtype)).max)
-        < 1e6
+        _dtypes.is_narrow(_dtypes.for_gradient(g.dtype, opts.accumulator_dtype))
         for g in jax.tree.leaves(grads)
         if _dtypes.is_differentiable(g.dtype)
     )
@@ -131,20 +132,22 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     batch_views = views(args, opts)
     pin = _pin(args, opts)
     margs0 = microbatch_args(args, batch_views, jnp.int32(0), opts, ctx, pin)
-    shapes = jax.eval_shape(lambda s: call(fun, margs0, kwargs, s, opts), state)
+    full = jax.eval_shape(lambda s: run(fun, margs0, kwargs, s, opts), state)
+    # Integer inputs' float0 gradients skip the loop and come back as they are.
+    shapes = full._replace(grads=_dtypes.without_float0(full.grads))
     how = plan(args, batch_views, shapes, opts, ctx)
 
     def body(carry: Carry, i: jax.Array):
         margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
-        if how.in_backward:
-            out = call_scaled(fun, margs, kwargs, carry.state, opts, how.multipliers[i])
-        else:
-            out = call(fun, margs, kwargs, carry.state, opts)
+        seed = how.multipliers[i] if how.in_backward else None
+        out = run(fun, margs, kwargs, carry.state, opts, seed)
+        out = out._replace(grads=_dtypes.without_float0(out.grads))
         return _add(carry, out, i, how, opts, ctx, _rows(margs, opts)), out.aux
 
     init = _init(shapes, state, opts)
     carry, aux = lax.scan(body, init, jnp.arange(opts.k, dtype=jnp.int32))
-    return _finish(carry, aux, how, shapes, opts, ctx)
+    out = _finish(carry, aux, how, shapes, opts, ctx)
+    return out._replace(grads=_dtypes.with_float0(out.grads, full.grads))
 
 
 def _pin(args: list, opts: Options) -> bool:
@@ -281,37 +284,3 @@ def _finish(carry: Carry, aux, how: Plan, shapes: Call, opts: Options, ctx: Cont
     return Loop(value, grads, aux, how.weights, carry.state, noise, scaled)
 
 
-def single(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context):
-    """k = 1: no loop; under ``ctx.axes`` the one weighted reduction."""
-    out = call(fun, args, kwargs, state, opts)
-    aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), out.aux)
-    value, grads, noise = out.value, out.grads, ()
-    w = None
-    if opts.weight_fn is not None and (ctx.axes is not None or opts.decay is not None):
-        batch_views = views(args, opts)
-        w = weights(batch_views, opts, _dtypes.weight_dtype(grads))[0]
-    w_noise = jnp.float32(_rows(args, opts)) if w is None else w
-    if opts.decay is not None:
-        noise = ns.window_sums(ns.zero_stats()[:3], ns.squared_norm(grads), w_noise)
-    if ctx.axes is not None:
-        (value, grads), noise = _reduce_single((value, grads), w, noise, opts, ctx)
-    if opts.decay is not None:
-        noise = (*noise, ns.squared_norm(grads))
-    return Loop(value, grads, aux, None, out.state, noise, out.scaled)
-
-
-def _reduce_single(tree, w, noise, opts: Options, ctx: Context):
-    """The weighted reduction of one micro-batch per device (k = 1)."""
-    w = jnp.float32(1.0) if w is None else w
-    mean = opts.reduction.is_mean
-
-    def weighted(x):
-        wide = x.astype(_dtypes.compute(x.dtype))
-        # Select, not multiply: a weight-0 device's NaN must not spread.
-        return jnp.where(w > 0, wide if mean else w * wide, 0)
-
-    wide_tree = jax.tree.map(weighted, tree)
-    out, _, noise = _devices.psum_window(
-        wide_tree, w if mean else None, ctx.axes, mean=mean, extras=noise
-    )
-    return jax.tree.map(lambda a, x: a.astype(x.dtype), out, tree), noise

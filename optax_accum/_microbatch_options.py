@@ -52,6 +52,16 @@ class Options:
     param_gather: str | None
     decay: float | None
     stateful: bool
+    # The loss face (`microbatch_value_and_grad`): ``fun`` is the loss and the
+    # library differentiates it w.r.t. these arguments; None: ``fun`` is a
+    # value-and-grad function, used as given.
+    argnums: int | tuple[int, ...] | None = None
+    # Which ``aux`` leaves hold the micro-batch's rows (device-local mode).
+    aux_rows: Any = None
+
+    @property
+    def differentiates(self) -> bool:
+        return self.argnums is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +87,12 @@ def options(
     data_axes: AxisName | None = None,
     param_gather: str | None = None,
     noise_scale_decay: float | None = None,
+    aux_rows: Any = None,
     stateful: bool = False,
+    argnums: int | Sequence[int] | None = None,
 ) -> Options:
-    """`microbatch`'s keywords, checked in its names."""
+    """`microbatch`'s keywords, checked in its names (``argnums``: the loss
+    face's, None for a value-and-grad ``fun``)."""
     k = _checks.positive_int(num_microbatches, "num_microbatches")
     strategy = _reduction.get(reduction)
     batch_idx = _checks.argnums(batch_argnums, "batch_argnums")
@@ -100,6 +113,13 @@ def options(
             f"not both: got axis_name={axis_name!r}, data_axes={data_axes!r}."
         )
     decay = ns.check_options(noise_scale_decay, False, reduction, "num_microbatches")
+    if decay is not None and k == 1 and axis_name is None and axes is None:
+        raise ValueError(
+            "`noise_scale_decay` compares micro-batch gradients with their mean, "
+            "so it needs `num_microbatches` >= 2 (or several devices with "
+            f"`axis_name` or `data_axes`), got num_microbatches={k}."
+        )
+    _check_aux_rows(aux_rows, has_aux, axes)
     return Options(
         k=k,
         batch_idx=batch_idx,
@@ -113,7 +133,45 @@ def options(
         param_gather=param_gather,
         decay=decay,
         stateful=stateful,
+        argnums=_loss_argnums(argnums, batch_idx, rng_idx),
+        aux_rows=aux_rows,
     )
+
+
+def _loss_argnums(argnums: Any, batch_idx: tuple, rng_idx: tuple) -> Any:
+    """The loss face's ``argnums`` (as `jax.value_and_grad` takes them: an int
+    or a tuple, which shapes the gradients), disjoint from the batch and keys."""
+    if argnums is None:
+        return None
+    idx = _checks.argnums(argnums, "argnums")
+    if not idx:
+        raise ValueError("`argnums` must name at least one argument.")
+    clash = sorted(set(idx) & (set(batch_idx) | set(rng_idx)))
+    if clash:
+        raise ValueError(
+            f"`argnums`={argnums!r} names argument(s) {clash}, which hold the "
+            "batch or PRNG keys (`batch_argnums`, `rng_argnums`): the gradients "
+            "accumulated over micro-batches are those of the parameters."
+        )
+    return argnums if isinstance(argnums, int) else idx
+
+
+def _check_aux_rows(aux_rows: Any, has_aux: bool, data_axes: Any) -> None:
+    """``aux_rows`` declares a device-local loop's row-wise ``aux`` leaves."""
+    if aux_rows is None:
+        return
+    if not has_aux or data_axes is None:
+        raise ValueError(
+            "`aux_rows` says which `aux` leaves the device-local loop gathers "
+            "over devices; it needs `has_aux=True` and `data_axes`, got "
+            f"aux_rows={aux_rows!r}, has_aux={has_aux!r}, data_axes={data_axes!r}."
+        )
+    for flag in jax.tree.leaves(aux_rows):
+        if not isinstance(flag, bool):
+            raise TypeError(
+                "`aux_rows` must be a bool or a pytree prefix of `aux` with bool "
+                f"leaves, got a leaf {flag!r}."
+            )
 
 
 def _axes_tuple(axis_name: Any) -> tuple:

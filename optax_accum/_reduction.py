@@ -46,13 +46,17 @@ class Mean:
         then divided by `loop_divisor`."""
         return _weights.shares(ws) * ws.size
 
-    def loop_divisor(self, count: int) -> float:
-        """What the loop's sum of ``count`` micro-batches is divided by."""
+    def loop_divisor(self, count: int, parts: int) -> float:
+        """What the loop's sum of ``count`` contributions is divided by; each
+        micro-batch is ``parts`` of them (one per device in the device-local
+        mode, where every device holds part of each micro-batch)."""
+        del parts
         return float(count)
 
     def runs_in_narrow_buffers(self) -> bool:
-        """In a float16 buffer a sum of k can overflow though the mean fits:
-        there the loop keeps a running mean (`step`, not sinkable) instead."""
+        """In a buffer narrower than float32 a sum of k can overflow (float16)
+        or lose small terms (bfloat16) though the mean is fine: there the
+        loop keeps a running mean (`step`, not sinkable) instead."""
         return True
 
 
@@ -73,9 +77,9 @@ class Sum:
     def loop_scales(self, ws: jax.Array) -> jax.Array:
         return ws
 
-    def loop_divisor(self, count: int) -> float:
+    def loop_divisor(self, count: int, parts: int) -> float:
         del count
-        return 1.0
+        return float(parts)
 
     def runs_in_narrow_buffers(self) -> bool:
         return False  # a sum that overflows is the sum asked for

@@ -85,13 +85,21 @@ def _compiled_text(fun, mesh, dtype=jnp.float32, masked=False) -> str:
         return jax.jit(fun).lower(params, *batch).compile().as_text()
 
 
-def _microbatch_hlo(mode: str, **extra) -> str:
+def _microbatch_hlo(mode: str, face: str = "loss", **extra) -> str:
+    """The compiled step of the loss face (`microbatch_value_and_grad`, which
+    differentiates, so weights may enter the backward pass) or of
+    `microbatch` given ``jax.value_and_grad(loss)``."""
     kw, dtype, masked = MODES[mode]
     loss = _token_loss if masked else mlp_loss
     argnums = (1, 2, 3) if masked else (1, 2)
-    fun = optax_accum.microbatch(
-        jax.value_and_grad(loss), K, batch_argnums=argnums, **kw, **extra
-    )
+    if face == "loss":
+        fun = optax_accum.microbatch_value_and_grad(
+            loss, K, batch_argnums=argnums, **kw, **extra
+        )
+    else:
+        fun = optax_accum.microbatch(
+            jax.value_and_grad(loss), K, batch_argnums=argnums, **kw, **extra
+        )
     return _compiled_text(fun, _mesh(), dtype, masked)
 
 
@@ -234,6 +242,20 @@ _GLOBAL_XFAIL = {"noise_scale": _NOISE_XFAIL}
 def test_global_view_all_reduces_only_accumulate(mode):
     found = _check_sinkable(_microbatch_hlo(mode))
     assert all(r.movable for r in found), _report(found)
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum", "bf16_f32_accumulator"])
+def test_value_and_grad_face_unweighted_all_reduces_only_accumulate(mode):
+    found = _check_sinkable(_microbatch_hlo(mode, face="value_and_grad"))
+    assert all(r.movable for r in found), _report(found)
+
+
+def test_value_and_grad_face_weighs_after_fun_so_its_reduction_stays():
+    # `fun`'s gradients are its own (issue 20, section 1): the weight scales
+    # them after `fun`, between the in-loop all-reduce and the add, as the
+    # docs say. The loss face above is the sinkable one.
+    found = _check_sinkable(_microbatch_hlo("token_weighted", face="value_and_grad"))
+    assert found and not all(r.movable for r in found), _report(found)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
