@@ -54,6 +54,11 @@ def nnx_train_step(
     ``optimizer.update(model, grads)`` once and writes the threaded state back
     into ``model``. Wrap it in ``nnx.jit``.
 
+    What is differentiated: the Variables the optimizer's ``wrt`` filter
+    selects, as with ``nnx.grad(loss_fn, argnums=nnx.DiffState(0,
+    optimizer.wrt))``. Other Params (frozen layers, integer tables) are
+    read-only inputs, with no gradient and no part in the noise scale.
+
     Optimizer extra arguments: keyword arguments of ``step`` are forwarded to
     ``optimizer.update``. When the optimizer reads ``value`` (e.g.
     ``optax.contrib.reduce_on_plateau``) and none is given, the step passes its
@@ -64,9 +69,22 @@ def nnx_train_step(
 
     Dropout: the model's own ``nnx.Rngs`` stream advances once per micro-batch,
     so every micro-batch draws a fresh mask, the same masks k small steps
-    would draw. BatchNorm: each micro-batch is normalized with its own batch
-    statistics and the running averages are updated micro-batch by micro-batch,
-    in order (k momentum steps per optimizer step).
+    would draw. With ``data_axes`` (k >= 2), device ``d`` of those axes draws
+    with the model's PRNG keys folded with ``d``
+    (``jax.random.fold_in(key, d)``, ``d`` the index over the named axes), so
+    devices draw their own masks; the model's keys stay as they were and its
+    counters advance once per micro-batch. BatchNorm: each micro-batch is
+    normalized with its own batch statistics and the running averages are
+    updated micro-batch by micro-batch, in order (k momentum steps per
+    optimizer step).
+
+    Intermediates: values the model sows with ``self.sow(nnx.Intermediate,
+    ...)`` during the step are written back into it with each leaf stacked
+    along a leading axis of length k (one entry per micro-batch, following
+    ``aux``'s rules with ``data_axes``). Take them out with
+    ``nnx.pop(model, nnx.Intermediate)`` before the next step: a model that
+    still holds intermediates is refused. ``nnx.capture`` inside ``loss_fn``,
+    returned as ``aux``, needs no such step.
 
     Args:
       loss_fn: ``loss_fn(model, *batch) -> loss`` or ``(loss, aux)``.
@@ -76,9 +94,11 @@ def nnx_train_step(
       loss_scaling: fp16 dynamic loss scaling: the step then takes
         ``loss_scale=`` (e.g. a ``jmp.DynamicLossScale``), scales each
         micro-batch's loss by it and unscales the gradients
-        (`optax_accum.scaled_value_and_grad`), applies the update only if every
-        micro-batch's gradients are finite, and also returns the adjusted
-        loss scale for the next step.
+        (`optax_accum.scaled_value_and_grad`), applies the step only if every
+        micro-batch's gradients are finite (else the model, its BatchNorm
+        statistics and Rngs counters included, and the optimizer are left as
+        they were), and also returns the adjusted loss scale for the next
+        step.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
         ``data_axes``, ``noise_scale_decay``, passed to
@@ -194,7 +214,10 @@ def linen_train_step(
     Optimizer extra arguments: keyword arguments of ``step`` other than
     ``rng`` are forwarded to ``state.tx.update``. When the optimizer reads
     ``value`` (``reduce_on_plateau``) and none is given, the step passes its
-    own loss, the mean over all k micro-batches.
+    own loss, the mean over all k micro-batches. The update always goes
+    through the state's own ``apply_gradients`` (a subclass that overrides it,
+    to keep an EMA of the parameters say, keeps working), with a ``tx`` that
+    forwards those arguments for that one call.
 
     Args:
       loss_fn: ``loss_fn(params, batch_stats, rng, *batch)`` or
