@@ -15,100 +15,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ._deprecations import rename, renamed_arguments
-from ._extra_args import reads_value
-from ._loss_scale import ScaledGrads, scaled_value_and_grad
-from ._microbatch import microbatch_with_state
-from ._microbatch_options import options
+from . import _flax_nnx
+from ._deprecations import renamed_arguments
+from ._flax_common import (
+    check_loss_scale,
+    extras,
+    fused_loop,
+    keep_unless,
+    split_output,
+    step_options,
+    value_and_grad,
+    with_value,
+)
 
 __all__ = ["linen_train_step", "nnx_train_step"]
 
-_RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
 _RENAMED = {"num_micro_batches": "num_microbatches"}
-
-
-def _step_options(
-    loss_fn: Any, num_microbatches: Any, microbatch_kwargs: dict, helper: str
-) -> dict:
-    """A helper's arguments, checked at construction as `microbatch` checks
-    its own; returns the keywords for `microbatch_with_state`."""
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {loss_fn!r}.")
-    for name in _RESERVED:
-        if name in microbatch_kwargs:
-            raise TypeError(
-                f"`{name}` is set by {helper} itself; it takes `has_aux` as its "
-                "own keyword and builds the batch and rng arguments from the "
-                "step's signature."
-            )
-    kwargs = rename(microbatch_kwargs, {"mesh_axes": "data_axes"}, helper, 6)
-    options(num_microbatches, stateful=True, **kwargs)
-    return kwargs
-
-
-def _with_value(opt_kwargs: dict, tx: Any, params: Any, opt_state: Any, loss: Any):
-    """Adds the step's loss as ``value`` when the optimizer reads one."""
-    if "value" not in opt_kwargs and reads_value(tx, params, opt_state):
-        return {**opt_kwargs, "value": loss}
-    return opt_kwargs
-
-
-def _value_and_grad(loss_of: Callable, loss_scale: Any) -> Callable:
-    """``(params, state) -> (((loss, aux), grads), new_state)``, or with a loss
-    scale a `ScaledGrads` in place of ``((loss, aux), grads)``; ``loss_of``
-    returns ``(loss, (aux, new_state))``."""
-
-    def plain(params, state):
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-        (loss, (aux, new_state)), grads = grad_fn(params, state)
-        return ((loss, aux), grads), new_state
-
-    def scaled(params, state):
-        out = scaled_value_and_grad(loss_of, has_aux=True)(loss_scale, params, state)
-        loss, (aux, new_state) = out.value
-        return out._replace(value=(loss, aux)), new_state
-
-    return plain if loss_scale is None else scaled
-
-
-def _split_output(out: Any, noise: bool) -> tuple:
-    """The fused loop's output as ``(loss, aux, grads, state, tracker, scaled)``."""
-    (out, new_state), tracker = out if noise else (out, None)
-    if isinstance(out, ScaledGrads):
-        (loss, aux), grads = out.value, out.grads
-        return loss, aux, grads, new_state, tracker, out
-    (loss, aux), grads = out
-    return loss, aux, grads, new_state, tracker, None
-
-
-def _extras(tracker: Any, scaled: ScaledGrads | None, noise: bool) -> tuple:
-    """What a step returns after its result: the tracker, then the loss scale."""
-    return ((tracker,) if noise else ()) + (
-        (scaled.loss_scale,) if scaled is not None else ()
-    )
-
-
-def _keep_unless(finite: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``finite``, else ``old`` (leaf by leaf)."""
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
-def _check_loss_scale(loss_scaling: bool, loss_scale: Any, helper: str) -> None:
-    if loss_scaling and loss_scale is None:
-        raise TypeError(
-            f"{helper} was built with `loss_scaling=True`: pass the step "
-            "`loss_scale=` (e.g. jmp.DynamicLossScale(jnp.float32(2 ** 15)))."
-        )
-    if not loss_scaling and loss_scale is not None:
-        raise TypeError(
-            f"`loss_scale` was passed to a step built without `loss_scaling`: "
-            f"build it with {helper}(..., loss_scaling=True)."
-        )
 
 
 @renamed_arguments(_RENAMED)
@@ -129,6 +54,11 @@ def nnx_train_step(
     ``optimizer.update(model, grads)`` once and writes the threaded state back
     into ``model``. Wrap it in ``nnx.jit``.
 
+    What is differentiated: the Variables the optimizer's ``wrt`` filter
+    selects, as with ``nnx.grad(loss_fn, argnums=nnx.DiffState(0,
+    optimizer.wrt))``. Other Params (frozen layers, integer tables) are
+    read-only inputs, with no gradient and no part in the noise scale.
+
     Optimizer extra arguments: keyword arguments of ``step`` are forwarded to
     ``optimizer.update``. When the optimizer reads ``value`` (e.g.
     ``optax.contrib.reduce_on_plateau``) and none is given, the step passes its
@@ -139,9 +69,22 @@ def nnx_train_step(
 
     Dropout: the model's own ``nnx.Rngs`` stream advances once per micro-batch,
     so every micro-batch draws a fresh mask, the same masks k small steps
-    would draw. BatchNorm: each micro-batch is normalized with its own batch
-    statistics and the running averages are updated micro-batch by micro-batch,
-    in order (k momentum steps per optimizer step).
+    would draw. With ``data_axes`` (k >= 2), device ``d`` of those axes draws
+    with the model's PRNG keys folded with ``d``
+    (``jax.random.fold_in(key, d)``, ``d`` the index over the named axes), so
+    devices draw their own masks; the model's keys stay as they were and its
+    counters advance once per micro-batch. BatchNorm: each micro-batch is
+    normalized with its own batch statistics and the running averages are
+    updated micro-batch by micro-batch, in order (k momentum steps per
+    optimizer step).
+
+    Intermediates: values the model sows with ``self.sow(nnx.Intermediate,
+    ...)`` during the step are written back into it with each leaf stacked
+    along a leading axis of length k (one entry per micro-batch, following
+    ``aux``'s rules with ``data_axes``). Take them out with
+    ``nnx.pop(model, nnx.Intermediate)`` before the next step: a model that
+    still holds intermediates is refused. ``nnx.capture`` inside ``loss_fn``,
+    returned as ``aux``, needs no such step.
 
     Args:
       loss_fn: ``loss_fn(model, *batch) -> loss`` or ``(loss, aux)``.
@@ -151,9 +94,11 @@ def nnx_train_step(
       loss_scaling: fp16 dynamic loss scaling: the step then takes
         ``loss_scale=`` (e.g. a ``jmp.DynamicLossScale``), scales each
         micro-batch's loss by it and unscales the gradients
-        (`optax_accum.scaled_value_and_grad`), applies the update only if every
-        micro-batch's gradients are finite, and also returns the adjusted
-        loss scale for the next step.
+        (`optax_accum.scaled_value_and_grad`), applies the step only if every
+        micro-batch's gradients are finite (else the model, its BatchNorm
+        statistics and Rngs counters included, and the optimizer are left as
+        they were), and also returns the adjusted loss scale for the next
+        step.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
         ``data_axes``, ``noise_scale_decay``, passed to
@@ -182,62 +127,62 @@ def nnx_train_step(
       >>> loss.shape
       ()
     """
-    microbatch_kwargs = _step_options(
+    microbatch_kwargs, opts = step_options(
         loss_fn, num_microbatches, microbatch_kwargs, "nnx_train_step"
     )
-    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+    noise = opts.decay is not None
 
     def step(model, optimizer, *batch, noise_scale=None, loss_scale=None, **opt_kwargs):
-        _check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
+        parts = _flax_nnx.split(model, optimizer.wrt)
 
-        def fun(params, *batch, state):
-            def loss_of(params, state):
-                # copy=True: fresh Variables at this trace level, since the
-                # forward pass mutates them (BatchStat, RngCount).
-                m = nnx.merge(graphdef, params, state, copy=True)
-                out = loss_fn(m, *batch)
+        def fun(trained, frozen, *batch, state):
+            def loss_of(trained, state):
+                out, sown, new_state = _flax_nnx.run(
+                    parts,
+                    trained,
+                    frozen,
+                    state,
+                    lambda m: loss_fn(m, *batch),
+                    opts.data_axes,
+                )
                 loss, aux = out if has_aux else (out, None)
-                return loss, (aux, nnx.split(m, nnx.Param, ...)[2])
+                return loss, ((aux, sown), new_state)
 
-            return _value_and_grad(loss_of, loss_scale)(params, state)
+            return value_and_grad(loss_of, loss_scale)(trained, state)
 
-        mb = microbatch_with_state(
-            fun,
-            num_microbatches,
-            batch_argnums=tuple(range(1, len(batch) + 1)),
-            has_aux=True,
-            **microbatch_kwargs,
+        mb = fused_loop(
+            fun, num_microbatches, range(2, len(batch) + 2), (), microbatch_kwargs
         )
         tracker = {"noise_scale": noise_scale} if noise else {}
-        out = mb(params, *batch, state=rest, **tracker)
-        loss, aux, grads, new_rest, tracker, scaled = _split_output(out, noise)
-        nnx.update(model, new_rest)
-        _nnx_update(model, optimizer, grads, loss, scaled, opt_kwargs)
+        out = mb(parts.trained, parts.frozen, *batch, state=parts.state, **tracker)
+        loss, (aux, sown), grads, new_state, tracker, scaled = split_output(out, noise)
+        _nnx_update(model, optimizer, grads, new_state, loss, scaled, opt_kwargs)
+        nnx.update(model, sown)
         result = (loss, aux) if has_aux else loss
-        extras = _extras(tracker, scaled, noise)
-        return (result, *extras) if extras else result
+        more = extras(tracker, scaled, noise)
+        return (result, *more) if more else result
 
     return step
 
 
-def _nnx_update(model, optimizer, grads, loss, scaled, opt_kwargs) -> None:
-    """``optimizer.update`` once; with a loss scale, only if all were finite."""
-    opt_kwargs = _with_value(
+def _nnx_update(model, optimizer, grads, new_state, loss, scaled, opt_kwargs):
+    """The threaded state into ``model``, then ``optimizer.update`` once; with
+    a loss scale, both only if every micro-batch's gradients were finite."""
+    opt_kwargs = with_value(
         opt_kwargs,
         optimizer.tx,
         nnx.as_pure(nnx.state(model, optimizer.wrt)),
         nnx.as_pure(optimizer.opt_state),
         loss,
     )
-    if scaled is None:
-        optimizer.update(model, grads, **opt_kwargs)
-        return
     # Pure arrays: a State holds the Variables, which the update mutates.
-    before = nnx.as_pure(nnx.state((model, optimizer)))
+    before = None if scaled is None else nnx.as_pure(nnx.state((model, optimizer)))
+    nnx.update(model, new_state)
     optimizer.update(model, grads, **opt_kwargs)
-    after = nnx.as_pure(nnx.state((model, optimizer)))
-    nnx.update((model, optimizer), _keep_unless(scaled.finite, after, before))
+    if scaled is not None:
+        after = nnx.as_pure(nnx.state((model, optimizer)))
+        nnx.update((model, optimizer), keep_unless(scaled.finite, after, before))
 
 
 @renamed_arguments(_RENAMED)
@@ -269,7 +214,10 @@ def linen_train_step(
     Optimizer extra arguments: keyword arguments of ``step`` other than
     ``rng`` are forwarded to ``state.tx.update``. When the optimizer reads
     ``value`` (``reduce_on_plateau``) and none is given, the step passes its
-    own loss, the mean over all k micro-batches.
+    own loss, the mean over all k micro-batches. The update always goes
+    through the state's own ``apply_gradients`` (a subclass that overrides it,
+    to keep an EMA of the parameters say, keeps working), with a ``tx`` that
+    forwards those arguments for that one call.
 
     Args:
       loss_fn: ``loss_fn(params, batch_stats, rng, *batch)`` or
@@ -310,13 +258,13 @@ def linen_train_step(
       1
     """
 
-    microbatch_kwargs = _step_options(
+    microbatch_kwargs, opts = step_options(
         loss_fn, num_microbatches, microbatch_kwargs, "linen_train_step"
     )
-    noise = microbatch_kwargs.get("noise_scale_decay") is not None
+    noise = opts.decay is not None
 
     def step(state, *batch, rng=None, noise_scale=None, loss_scale=None, **opt_kwargs):
-        _check_loss_scale(loss_scaling, loss_scale, "linen_train_step")
+        check_loss_scale(loss_scaling, loss_scale, "linen_train_step")
         with_stats = hasattr(state, "batch_stats")
 
         def fun(params, rng, *batch, state):
@@ -328,43 +276,37 @@ def linen_train_step(
                 loss, aux = out if has_aux else (out, None)
                 return loss, (aux, new_stats)
 
-            return _value_and_grad(loss_of, loss_scale)(params, state)
+            return value_and_grad(loss_of, loss_scale)(params, state)
 
-        mb = microbatch_with_state(
-            fun,
-            num_microbatches,
-            batch_argnums=tuple(range(2, len(batch) + 2)),
-            rng_argnums=1,
-            has_aux=True,
-            **microbatch_kwargs,
+        mb = fused_loop(
+            fun, num_microbatches, range(2, len(batch) + 2), (1,), microbatch_kwargs
         )
         stats_in = state.batch_stats if with_stats else ()
         tracker = {"noise_scale": noise_scale} if noise else {}
         out = mb(state.params, rng, *batch, state=stats_in, **tracker)
-        loss, aux, grads, stats, tracker, scaled = _split_output(out, noise)
+        loss, aux, grads, stats, tracker, scaled = split_output(out, noise)
         stats = stats if with_stats else None
         new_state = _linen_apply(state, grads, loss, stats, opt_kwargs)
         if scaled is not None:
-            new_state = _keep_unless(scaled.finite, new_state, state)
+            new_state = keep_unless(scaled.finite, new_state, state)
         result = (loss, aux) if has_aux else loss
-        return (new_state, result, *_extras(tracker, scaled, noise))
+        return (new_state, result, *extras(tracker, scaled, noise))
 
     return step
 
 
 def _linen_apply(state, grads, loss, stats, opt_kwargs):
-    """One optimizer update of a linen ``TrainState``."""
+    """One optimizer update of a linen ``TrainState``, always through its own
+    ``apply_gradients`` (a subclass's EMA, say, keeps updating)."""
     stats_kw = {} if stats is None else {"batch_stats": stats}
-    opt_kwargs = _with_value(opt_kwargs, state.tx, state.params, state.opt_state, loss)
+    opt_kwargs = with_value(opt_kwargs, state.tx, state.params, state.opt_state, loss)
     if not opt_kwargs:
         return state.apply_gradients(grads=grads, **stats_kw)
-    # TrainState.apply_gradients forwards no extra args to tx.update.
-    updates, opt_state = state.tx.update(
-        grads, state.opt_state, state.params, **opt_kwargs
+    # TrainState.apply_gradients forwards no extra args to tx.update: give it
+    # a tx that does, for this one call.
+    tx = state.tx
+    bound = optax.GradientTransformation(
+        tx.init, lambda u, s, p=None: tx.update(u, s, p, **opt_kwargs)
     )
-    return state.replace(
-        step=state.step + 1,
-        params=optax.apply_updates(state.params, updates),
-        opt_state=opt_state,
-        **stats_kw,
-    )
+    new = state.replace(tx=bound).apply_gradients(grads=grads, **stats_kw)
+    return new.replace(tx=tx)

@@ -242,3 +242,43 @@ def test_nnx_embed_has_aux_device_local_on_explicit_mesh():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+class FrozenBase(nnx.Module):
+    """A frozen base layer and a trained head (the optimizer's `wrt`)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.base = nnx.Linear(8, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.base(x)))
+
+
+def test_nnx_train_step_trains_only_wrt_per_device():
+    # With `data_axes` the frozen Params enter the device-local loop as
+    # inputs; the reference differentiates `wrt` alone over the full batch.
+    wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+    x, y = _data()
+    ref = FrozenBase(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=wrt)
+
+    @nnx.jit
+    def ref_step(model, opt, x, y):
+        opt.update(model, nnx.grad(_loss, argnums=nnx.DiffState(0, wrt))(model, x, y))
+
+    for _ in range(2):
+        ref_step(ref, ref_opt, x, y)
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        model = FrozenBase(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=wrt)
+        step = nnx.jit(nnx_train_step(_loss, K, data_axes="data"))
+        xs, ys = (jax.device_put(a, P("data")) for a in (x, y))
+        for _ in range(2):
+            step(model, opt, xs, ys)
+    chex.assert_trees_all_close(
+        jax.device_get(nnx.as_pure(nnx.state(model, nnx.Param))),
+        nnx.as_pure(nnx.state(ref, nnx.Param)),
+        rtol=1e-5,
+        atol=1e-6,
+    )

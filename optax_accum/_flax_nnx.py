@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""How `nnx_train_step` takes an nnx model apart and puts it back.
+
+The model splits into what the optimizer trains (its ``wrt`` filter, the only
+part differentiated), the other Params (read-only inputs, never
+differentiated), and the state the forward pass threads from micro-batch to
+micro-batch (BatchNorm statistics, Rngs counters). Values sown with
+``self.sow(nnx.Intermediate, ...)`` leave each micro-batch as outputs and come
+back stacked; on the devices of ``data_axes`` the Rngs keys are folded with
+the device index. The step itself is `optax_accum.flax.nnx_train_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+from jax import lax
+
+
+class Parts(NamedTuple):
+    """An nnx model taken apart by `split`."""
+
+    wrt: Any  # the optimizer's filter
+    graphdef: Any
+    trained: Any  # nnx.State of the optimizer's `wrt` Variables
+    frozen: Any  # nnx.State of the other Params
+    state: Any  # nnx.State of everything else
+
+
+def split(model: Any, wrt: Any) -> Parts:
+    """``model`` in its `Parts`; a model still holding sown intermediates
+    from an earlier call is refused (each step would append to them)."""
+    sown = nnx.state(model, nnx.Intermediate)
+    if jax.tree.leaves(sown):
+        raise ValueError(
+            "nnx_train_step got a model that holds nnx.Intermediate values "
+            f"(sown earlier: {sorted(_paths(sown))}). Take them out before the "
+            "step, e.g. `nnx.pop(model, nnx.Intermediate)` after each step; "
+            "the step writes back the values sown during it, stacked per "
+            "micro-batch."
+        )
+    return Parts(wrt, *nnx.split(model, wrt, nnx.Param, ...))
+
+
+def _paths(state: Any) -> list[str]:
+    return [".".join(map(str, path)) for path, _ in nnx.to_flat_state(state)]
+
+
+def run(
+    parts: Parts, trained: Any, frozen: Any, state: Any, call: Any, data_axes: Any
+) -> tuple:
+    """``call(model)`` on the model rebuilt from its parts (fresh Variables);
+    returns ``(call's output, sown intermediates, new state)``."""
+    model = nnx.merge(
+        parts.graphdef, trained, frozen, _per_device(state, data_axes), copy=True
+    )
+    out = call(model)
+    sown = nnx.pop(model, nnx.Intermediate)
+    new_state = nnx.split(model, parts.wrt, nnx.Param, ...)[3]
+    return out, sown, _keys_from(state, new_state)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _on_devices(data_axes: Any) -> bool:
+    """Whether this trace runs per device of ``data_axes`` (the device-local
+    loop; at k = 1 there is none)."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return data_axes is not None and all(a in manual for a in data_axes)
+
+
+def _per_device(state: Any, data_axes: Any) -> Any:
+    """``state`` with each PRNG key folded with the device index on the
+    devices of ``data_axes``, so that devices draw their own masks."""
+    if not _on_devices(data_axes):
+        return state
+    device = lax.axis_index(data_axes)
+    return jax.tree.map(
+        lambda x: jax.random.fold_in(x, device) if _is_key(x) else x, state
+    )
+
+
+def _keys_from(old: Any, new: Any) -> Any:
+    """``new`` with ``old``'s PRNG keys: the folded keys stay in the trace."""
+    return jax.tree.map(lambda o, n: o if _is_key(o) else n, old, new)
