@@ -3,9 +3,9 @@
 """What `nnx_train_step` and `linen_train_step` share.
 
 Their options, checked once when a step is built and in the public
-function's name; the one call into the fused loop (`fused_loop`); the
-(loss-scaled) value-and-grad of a loss that also returns state; and the loop's
-output taken apart. The public steps are `optax_accum.flax`'s.
+function's name; the one call into the fused loop (`fused_loop`), which
+differentiates a loss that also returns state (loss-scaled, or not); and the
+loop's output taken apart. The public steps are `optax_accum.flax`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ._deprecations import rename
 from ._extra_args import reads_value
 from ._loss_scale import ScaledGrads, scaled_value_and_grad
 from ._microbatch import microbatch_with_state
+from ._microbatch_grad import value_and_grad_with_state
 from ._microbatch_options import Options, options
 
 _RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
@@ -58,7 +59,8 @@ def step_options(
 
 
 def fused_loop(
-    fun: Callable[..., Any],
+    loss: Callable[..., Any],
+    loss_scale: Any,
     num_microbatches: int,
     batch_argnums: Sequence[int],
     rng_argnums: Sequence[int],
@@ -66,18 +68,32 @@ def fused_loop(
 ) -> Callable[..., Any]:
     """The steps' one call into the fused loop.
 
-    ``fun(*args, state=state)`` returns ``(((loss, aux), grads), new_state)``
-    (or a `ScaledGrads` in place of ``((loss, aux), grads)``), with ``grads``
-    its own gradients w.r.t. its first argument.
+    ``loss(*args, state=state)`` returns ``((loss, aux), new_state)``; the
+    loop differentiates it w.r.t. its first argument. The steps own the
+    differentiation, so they use the loss face (`value_and_grad_with_state`),
+    whose token weights enter the backward pass and keep the loop sinkable;
+    with a loss scale, each micro-batch goes through `scaled_value_and_grad`
+    and the result is a `ScaledGrads` in place of ``((loss, aux), grads)``.
     """
-    return microbatch_with_state(
-        fun,
-        num_microbatches,
+    common = dict(
         batch_argnums=tuple(batch_argnums),
         rng_argnums=tuple(rng_argnums),
         has_aux=True,
         **microbatch_kwargs,
     )
+    if loss_scale is None:
+        return value_and_grad_with_state(loss, num_microbatches, **common)
+
+    def fun(first, *rest, state):
+        def loss_of(first, state):
+            (value, aux), new_state = loss(first, *rest, state=state)
+            return value, (aux, new_state)
+
+        out = scaled_value_and_grad(loss_of, has_aux=True)(loss_scale, first, state)
+        value, (aux, new_state) = out.value
+        return out._replace(value=(value, aux)), new_state
+
+    return microbatch_with_state(fun, num_microbatches, **common)
 
 
 def with_value(opt_kwargs: dict, tx: Any, params: Any, opt_state: Any, loss: Any):
@@ -85,24 +101,6 @@ def with_value(opt_kwargs: dict, tx: Any, params: Any, opt_state: Any, loss: Any
     if "value" not in opt_kwargs and reads_value(tx, params, opt_state):
         return {**opt_kwargs, "value": loss}
     return opt_kwargs
-
-
-def value_and_grad(loss_of: Callable, loss_scale: Any) -> Callable:
-    """``(params, state) -> (((loss, aux), grads), new_state)``, or with a loss
-    scale a `ScaledGrads` in place of ``((loss, aux), grads)``; ``loss_of``
-    returns ``(loss, (aux, new_state))``."""
-
-    def plain(params, state):
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-        (loss, (aux, new_state)), grads = grad_fn(params, state)
-        return ((loss, aux), grads), new_state
-
-    def scaled(params, state):
-        out = scaled_value_and_grad(loss_of, has_aux=True)(loss_scale, params, state)
-        loss, (aux, new_state) = out.value
-        return out._replace(value=(loss, aux)), new_state
-
-    return plain if loss_scale is None else scaled
 
 
 def split_output(out: Any, noise: bool) -> tuple:

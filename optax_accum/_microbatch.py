@@ -178,10 +178,11 @@ def microbatch(
         Needs ``reduction="mean"`` and ``num_microbatches`` >= 2 (or several
         devices with ``axis_name`` or ``data_axes``); ``num_microbatches=1``
         alone is refused. Steps whose `ScaledGrads` are not ``finite`` (an
-        fp16 overflow, skipped by the caller) are not observed. In the global view each micro-batch's
-        squared norm reads its reduced gradient, so on an accelerator that
-        reduction stays in the loop; the device-local mode measures per
-        device and adds nothing to its one reduction.
+        fp16 overflow, skipped by the caller) are not observed. In the
+        global view each micro-batch's squared norm reads its reduced
+        gradient, so on an accelerator that reduction stays in the loop;
+        the device-local mode measures per device and adds nothing to its
+        one reduction.
 
     Returns:
       A function with ``fun``'s signature.

@@ -27,7 +27,6 @@ from ._flax_common import (
     keep_unless,
     split_output,
     step_options,
-    value_and_grad,
     with_value,
 )
 
@@ -136,23 +135,21 @@ def nnx_train_step(
         check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
         parts = _flax_nnx.split(model, optimizer.wrt)
 
-        def fun(trained, frozen, *batch, state):
-            def loss_of(trained, state):
-                out, sown, new_state = _flax_nnx.run(
-                    parts,
-                    trained,
-                    frozen,
-                    state,
-                    lambda m: loss_fn(m, *batch),
-                    opts.data_axes,
-                )
-                loss, aux = out if has_aux else (out, None)
-                return loss, ((aux, sown), new_state)
-
-            return value_and_grad(loss_of, loss_scale)(trained, state)
+        def loss(trained, frozen, *batch, state):
+            call = lambda m: loss_fn(m, *batch)
+            out, sown, new_state = _flax_nnx.run(
+                parts, trained, frozen, state, call, opts.data_axes
+            )
+            value, aux = out if has_aux else (out, None)
+            return (value, (aux, sown)), new_state
 
         mb = fused_loop(
-            fun, num_microbatches, range(2, len(batch) + 2), (), microbatch_kwargs
+            loss,
+            loss_scale,
+            num_microbatches,
+            range(2, len(batch) + 2),
+            (),
+            microbatch_kwargs,
         )
         tracker = {"noise_scale": noise_scale} if noise else {}
         out = mb(parts.trained, parts.frozen, *batch, state=parts.state, **tracker)
@@ -267,19 +264,21 @@ def linen_train_step(
         check_loss_scale(loss_scaling, loss_scale, "linen_train_step")
         with_stats = hasattr(state, "batch_stats")
 
-        def fun(params, rng, *batch, state):
-            def loss_of(params, stats):
-                if with_stats:
-                    out, new_stats = loss_fn(params, stats, rng, *batch)
-                else:
-                    out, new_stats = loss_fn(params, rng, *batch), ()
-                loss, aux = out if has_aux else (out, None)
-                return loss, (aux, new_stats)
-
-            return value_and_grad(loss_of, loss_scale)(params, state)
+        def loss(params, rng, *batch, state):
+            if with_stats:
+                out, new_stats = loss_fn(params, state, rng, *batch)
+            else:
+                out, new_stats = loss_fn(params, rng, *batch), ()
+            value, aux = out if has_aux else (out, None)
+            return (value, aux), new_stats
 
         mb = fused_loop(
-            fun, num_microbatches, range(2, len(batch) + 2), (1,), microbatch_kwargs
+            loss,
+            loss_scale,
+            num_microbatches,
+            range(2, len(batch) + 2),
+            (1,),
+            microbatch_kwargs,
         )
         stats_in = state.batch_stats if with_stats else ()
         tracker = {"noise_scale": noise_scale} if noise else {}

@@ -48,8 +48,14 @@ def test_value_and_grad_funs_own_gradients_are_weighted_after_it(k):
     views = np.asarray(x).reshape(8 // k, k).T  # micro-batch i: rows i, i+k
     outs = [_vg_clipped(jnp.float32(1.0), jnp.asarray(v)) for v in views]
     weights = np.array([v[0] + 1.0 for v in views])
-    expected_g = sum(w * float(g) for w, (_, g) in zip(weights, outs)) / weights.sum()
-    expected_v = sum(w * float(v) for w, (v, _) in zip(weights, outs)) / weights.sum()
+    expected_g = (
+        sum(w * float(g) for w, (_, g) in zip(weights, outs, strict=True))
+        / weights.sum()
+    )
+    expected_v = (
+        sum(w * float(v) for w, (v, _) in zip(weights, outs, strict=True))
+        / weights.sum()
+    )
     # Before: 43.0, the unclipped gradient of the weighted value.
     np.testing.assert_allclose(float(grad), expected_g, rtol=1e-6)
     np.testing.assert_allclose(float(value), expected_v, rtol=1e-6)
@@ -90,9 +96,7 @@ def test_loss_face_follows_value_and_grad_argnums_and_has_aux():
 
     x = jnp.arange(8.0)
     a, b = jnp.float32(2.0), jnp.ones(3)
-    face = optax_accum.microbatch_value_and_grad(
-        loss, 2, argnums=(0, 2), has_aux=True
-    )
+    face = optax_accum.microbatch_value_and_grad(loss, 2, argnums=(0, 2), has_aux=True)
     (value, aux), grads = face(a, x, b)
     (ref_value, _), ref_grads = jax.value_and_grad(loss, (0, 2), has_aux=True)(a, x, b)
     assert isinstance(grads, tuple) and len(grads) == 2
@@ -237,10 +241,8 @@ def test_integer_parameters_pass_through_as_float0(k):
 
 
 def test_noise_scale_at_k1_on_one_device_is_refused():
-    with pytest.raises(ValueError, match="`noise_scale_decay`.*`num_microbatches`"):
-        optax_accum.microbatch(
-            jax.value_and_grad(_loss), 1, noise_scale_decay=0.9
-        )
+    with pytest.raises(ValueError, match=r"`noise_scale_decay`.*`num_microbatches`"):
+        optax_accum.microbatch(jax.value_and_grad(_loss), 1, noise_scale_decay=0.9)
     optax_accum.microbatch(  # several devices supply the small batches
         jax.value_and_grad(_loss), 1, noise_scale_decay=0.9, axis_name="d"
     )
