@@ -79,7 +79,8 @@ class MultiStepsState(NamedTuple):
 
         Returns:
           An ``optax.MultiStepsState`` that ``optax.MultiSteps`` (with the
-          same options) continues exactly.
+          same options) continues as it would its own: exactly at an empty
+          window, to the rounding of the running mean mid-window.
         """
         empty = jnp.asarray(self.mini_step) == 0
         acc_grads = jax.tree.map(
@@ -151,9 +152,9 @@ class MultiSteps:
     state holds one leaf more, ``updated`` (optax's fields cannot tell a
     rejected mini-step after an update from the update), which an optax
     checkpoint lacks: restore into ``jax.eval_shape(ms.init,
-    params)._replace(updated=())``. The other way, hand
-    `MultiStepsState.to_optax` to optax, not our state itself: our
-    ``acc_grads`` is not zeroed at an empty window.
+    params)._replace(updated=())``. The other way, hand optax
+    ``state.to_optax()`` (`MultiStepsState.to_optax`), not our state itself:
+    our ``acc_grads`` is not zeroed at an empty window.
 
     Args:
       opt: the wrapped optimizer.
