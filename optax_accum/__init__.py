@@ -28,6 +28,7 @@ from ._noise_scale import NoiseScaleState as NoiseScaleState
 from ._partial_sums import defer_reduction as defer_reduction
 from ._planner import MicrobatchPlan as MicrobatchPlan
 from ._planner import compiled_memory_bytes as compiled_memory_bytes
+from ._planner import plan_fused_step as plan_fused_step
 from ._planner import plan_microbatch as plan_microbatch
 from ._schedules import AdaptiveEveryK as AdaptiveEveryK
 from ._schedules import adaptive_every_k as adaptive_every_k
@@ -104,6 +105,7 @@ __all__ = [
     "microbatch",
     "microbatch_value_and_grad",
     "noise_scale",
+    "plan_fused_step",
     "plan_microbatch",
     "scale_learning_rate",
     "scaled_value_and_grad",

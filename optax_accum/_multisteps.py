@@ -4,10 +4,11 @@
 
 Constructor, methods and state fields match optax's, and so do the state's
 semantics (``acc_grads`` is the running mean with ``use_grad_mean``, the sum
-otherwise), so optax checkpoints restore into it. Two differences, both for
-speed: the inner optimizer runs only on boundary steps, inside ``lax.cond``,
-and ``acc_grads`` is not zeroed after an update (``mini_step == 0`` marks it
-empty and the next mini-step overwrites it).
+otherwise), so optax states, and optax checkpoints, restore into it: with our
+extra features off the state flattens to optax's leaves under optax's names.
+Two differences, both for speed: the inner optimizer runs only on boundary
+steps, inside ``lax.cond``, and ``acc_grads`` is not zeroed after an update
+(``mini_step == 0`` marks it empty and the next mini-step overwrites it).
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ class MultiStepsState(NamedTuple):
         (``reduce_on_plateau``, line searches), else ``()``.
       noise_scale: ours: a `NoiseScaleState` with ``noise_scale_decay``, else
         ``()``.
+      updated: ours: with ``should_skip_update_fn``, a boolean scalar, whether
+        the call that produced the state emitted an update (optax's fields
+        cannot tell a rejected mini-step after an update from the update);
+        else ``()``.
 
-    Our fields default to ``()``, which adds no leaves: with their features
-    off, the state has exactly optax's leaves.
+    Our fields default to ``()``, and a field that is ``()`` is not part of
+    the pytree: with our features off, the state has exactly optax's leaves
+    under optax's field names, so a checkpoint of an ``optax.MultiSteps``
+    state (Orbax, for one) restores into ``jax.eval_shape(ms.init, params)``.
     """
 
     mini_step: jax.typing.ArrayLike
@@ -56,6 +63,80 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
     acc_value: Any = ()
     noise_scale: Any = ()
+    updated: Any = ()
+
+    def to_optax(self) -> optax.MultiStepsState:
+        """This state as ``optax.MultiSteps`` reads it (our fields dropped).
+
+        Our ``acc_grads`` is stale, not zero, at an empty window
+        (``mini_step == 0``), and optax adds the next gradient to it, so
+        handing our state to ``optax.MultiSteps`` directly gives a wrong
+        update (the sum, with ``use_grad_mean=False``, counts the previous
+        window again; the mean is off by a rounding of the stale buffer).
+        This zeroes it where the window is empty, once, at the hand-over:
+        zeroing it on every update instead would cost a pass over the
+        accumulator per mini-step.
+
+        Returns:
+          An ``optax.MultiStepsState`` that ``optax.MultiSteps`` (with the
+          same options) continues as it would its own: exactly at an empty
+          window, to the rounding of the running mean mid-window.
+        """
+        empty = jnp.asarray(self.mini_step) == 0
+        acc_grads = jax.tree.map(
+            lambda a: jnp.where(empty, jnp.zeros_like(a), a), self.acc_grads
+        )
+        return optax.MultiStepsState(
+            mini_step=self.mini_step,
+            gradient_step=self.gradient_step,
+            inner_opt_state=self.inner_opt_state,
+            acc_grads=acc_grads,
+            skip_state=self.skip_state,
+        )
+
+
+_OURS = frozenset(("acc_value", "noise_scale", "updated"))
+
+
+def _is_off(x: Any) -> bool:
+    return isinstance(x, tuple) and not x
+
+
+def _flatten_with_keys(state: MultiStepsState):
+    names = tuple(
+        n for n in state._fields if n not in _OURS or not _is_off(getattr(state, n))
+    )
+    return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
+
+
+def _flatten(state: MultiStepsState):
+    children, names = _flatten_with_keys(state)
+    return [c for _, c in children], names
+
+
+def _unflatten(names: tuple[str, ...], children: Any) -> MultiStepsState:
+    return MultiStepsState(**dict(zip(names, children, strict=True)))
+
+
+# optax's fields always, ours only when on (a NamedTuple node keeps all).
+jax.tree_util.register_pytree_with_keys(
+    MultiStepsState, _flatten_with_keys, _unflatten, _flatten
+)
+
+
+def emitted(state: Any) -> jax.Array:
+    """Whether the call that produced ``state`` (ours or optax's) emitted.
+
+    Ours with a skip function records it. Without one every call is
+    accepted, and optax's test is exact: right after an update the window is
+    empty (an optax state with a skip function cannot say more than that
+    test). Flax's ``nnx.Optimizer`` may hold the arrays wrapped.
+    """
+    updated = getattr(state, "updated", ())
+    if not _is_off(updated):
+        return jnp.asarray(updated)
+    mini_step, gradient_step = map(jnp.asarray, (state.mini_step, state.gradient_step))
+    return jnp.logical_and(mini_step == 0, gradient_step > 0)
 
 
 class MultiSteps:
@@ -63,6 +144,17 @@ class MultiSteps:
 
     Replace ``optax.MultiSteps`` by ``optax_accum.MultiSteps`` and nothing else
     changes, except that the inner optimizer no longer runs on hold steps.
+
+    An ``optax.MultiSteps`` state continues in ours, mid-window too, and so
+    does its checkpoint: with our features off, the state has optax's leaves
+    under optax's names, so Orbax restores it into
+    ``jax.eval_shape(ms.init, params)``. With ``should_skip_update_fn`` the
+    state holds one leaf more, ``updated`` (optax's fields cannot tell a
+    rejected mini-step after an update from the update), which an optax
+    checkpoint lacks: restore into ``jax.eval_shape(ms.init,
+    params)._replace(updated=())``. The other way, hand optax
+    ``state.to_optax()`` (`MultiStepsState.to_optax`), not our state itself:
+    our ``acc_grads`` is not zeroed at an empty window.
 
     Args:
       opt: the wrapped optimizer.
@@ -140,7 +232,8 @@ class MultiSteps:
 
     def init(self, params: optax.Params) -> MultiStepsState:
         window = self._engine.init_window(params)
-        return _state(window, self._engine.init_skip_state(params))
+        updated = () if self._engine.skip is None else jnp.zeros([], jnp.bool_)
+        return _state(window, self._engine.init_skip_state(params), updated)
 
     def update(
         self,
@@ -160,7 +253,8 @@ class MultiSteps:
         close_window = extra_args.pop("close_window", False)
         window = self._window(state, params, extra_args)
         out = self._engine.step(updates, window, params, None, close_window, extra_args)
-        return out.updates, _state(out.window, out.skip_state)
+        updated = () if self._engine.skip is None else out.stepped
+        return out.updates, _state(out.window, out.skip_state, updated)
 
     def _window(self, state: Any, params: Any, extra_args: dict) -> Window:
         """Our state, or optax's (a checkpoint), as the engine's window."""
@@ -186,20 +280,21 @@ class MultiSteps:
         )
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
-        """True when ``state`` comes right after an update (optax's definition).
+        """Whether the call that produced ``state`` emitted an update.
 
-        ``state`` may also be held by Flax's ``nnx.Optimizer`` (wrapped arrays).
+        As `optax_accum.has_updated` reads it, and as `accumulate`'s: False
+        after a mini-step that ``should_skip_update_fn`` rejected, even right
+        after an update (where optax's own test, ``mini_step == 0``, says
+        True). ``state`` may also be held by Flax's ``nnx.Optimizer``
+        (wrapped arrays), or be optax's (then optax's test is used).
         """
-        mini_step, gradient_step = map(
-            jnp.asarray, (state.mini_step, state.gradient_step)
-        )
-        return jnp.logical_and(mini_step == 0, gradient_step > 0)
+        return emitted(state)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
 
 
-def _state(window: Window, skip_state: Any) -> MultiStepsState:
+def _state(window: Window, skip_state: Any, updated: Any) -> MultiStepsState:
     return MultiStepsState(
         mini_step=window.micro_step,
         gradient_step=window.update_step,
@@ -208,6 +303,7 @@ def _state(window: Window, skip_state: Any) -> MultiStepsState:
         skip_state=skip_state,
         acc_value=window.value,
         noise_scale=window.noise,
+        updated=updated,
     )
 
 
@@ -221,7 +317,9 @@ def _engine_for(
     _skip.check(should_skip_update_fn, "should_skip_update_fn")
     data_axes = _checks.axis_names(data_axes, "data_axes") or ()
     adaptive = isinstance(every_k_schedule, _schedules.AdaptiveEveryK)
-    decay = ns.check_options(noise_scale_decay, adaptive, reduction, "every_k_schedule")
+    decay = ns.check_options(
+        noise_scale_decay, adaptive, reduction, "every_k_schedule", data_axes
+    )
     allow = bool(allow_value_fn) or _schedules.is_static_one(every_k_schedule)
     return Engine(
         inner=opt,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""`plan_microbatch`: the largest micro-batch that fits a memory budget.
+"""`plan_microbatch`, `plan_fused_step`: the largest micro-batch that fits.
 
 Everything here is ahead-of-time: the step is lowered and compiled for
 abstract shapes (``jax.ShapeDtypeStruct``) and XLA's memory analysis is read;
@@ -112,7 +112,8 @@ def _default_budget(device: Any) -> int:
 def _candidates(
     target: int, max_size: int, multiple_of: int, divisors_only: bool
 ) -> list[int]:
-    sizes = range(multiple_of, max_size + 1, multiple_of)
+    # A micro-batch larger than the target would overshoot it on its own.
+    sizes = range(multiple_of, min(max_size, target) + 1, multiple_of)
     if divisors_only:
         sizes = [m for m in sizes if target % m == 0]
     return list(sizes)
@@ -137,7 +138,10 @@ def plan_microbatch(
     ``step`` is what runs once per micro-batch: a train step
     ``step(params, opt_state, batch)`` (e.g. gradients plus an `accumulate`
     update), or, with ``opt_state=None``, ``step(params, batch)``; to plan a
-    loss, pass ``jax.value_and_grad(loss)``. A ``jax.jit``-wrapped step is
+    loss, pass ``jax.value_and_grad(loss)``. A step that takes the whole
+    batch and splits it itself (`microbatch`) is planned by `plan_fused_step`
+    instead: its memory is not one micro-batch's step. A ``jax.jit``-wrapped
+    step is
     lowered with its own settings (donation, shardings); a plain function is
     wrapped in ``jax.jit`` without donation, which overestimates a step that
     donates its state.
@@ -156,8 +160,9 @@ def plan_microbatch(
     ``divisors_only`` (the default), the candidates divide the target, so the
     effective batch ``k * m`` equals it exactly (an odd prime target then
     leaves only ``m = 1`` and ``m = target``). Without, every multiple of
-    ``multiple_of`` is a candidate and the effective batch rounds up to
-    ``k * m >= target``.
+    ``multiple_of`` up to the target is a candidate and the effective batch
+    rounds up to ``k * m >= target``. No candidate exceeds the target,
+    whatever ``max_microbatch_size``.
 
     Args:
       step: the per-micro-batch step, see above.
@@ -168,7 +173,8 @@ def plan_microbatch(
       memory_budget: bytes the step may use. Default: the device's free
         memory, ``bytes_limit - bytes_in_use`` from ``device.memory_stats()``
         (GPU, TPU). Required on the CPU, which reports none.
-      max_microbatch_size: largest size to consider, default the target.
+      max_microbatch_size: largest size to consider, default (and at most)
+        the target.
       multiple_of: candidates are multiples of this, e.g. the number of
         data-parallel devices. The batch is lowered as ``step`` places it: a
         ``jax.jit`` step with ``in_shardings`` is planned per device, a plain
@@ -198,6 +204,119 @@ def plan_microbatch(
       >>> plan.memory_bytes <= 600_000 < plan.next_memory_bytes
       True
     """
+    lowerable = step if hasattr(step, "lower") else jax.jit(step)
+    return _plan(
+        lambda m: lowerable,
+        lambda m: m,
+        (params, opt_state, example),
+        target_batch_size,
+        memory_budget,
+        max_microbatch_size,
+        multiple_of,
+        divisors_only,
+        device,
+    )
+
+
+def plan_fused_step(
+    make_step: Callable[[int], Callable[..., Any]],
+    params: optax.Params,
+    opt_state: optax.OptState | None,
+    example: Any,
+    target_batch_size: int,
+    *,
+    memory_budget: int | None = None,
+    max_microbatch_size: int | None = None,
+    multiple_of: int = 1,
+    device: Any = None,
+) -> MicrobatchPlan:
+    """Plans a fused step: the whole batch in one call, split into ``k`` inside.
+
+    `plan_microbatch` plans a step that runs once per micro-batch. A fused
+    step, built on `microbatch` (or ``lax.scan``), takes the whole batch of
+    ``target_batch_size`` rows and splits it into ``k`` micro-batches itself;
+    its memory holds that batch, the accumulator, the optimizer's state and
+    its update, on top of one micro-batch's activations. So this compiles the
+    real step for each candidate: ``make_step(k)`` returns the train step for
+    ``k`` micro-batches per call, ``step(params, opt_state, batch)``, or, with
+    ``opt_state=None``, ``step(params, batch)``. It is lowered with the whole
+    batch (``example`` with a leading axis of ``target_batch_size``), for each
+    candidate micro-batch size ``m`` (the divisors of the target that are
+    multiples of ``multiple_of``, at most ``max_microbatch_size``) at
+    ``k = target_batch_size // m``, and `compiled_memory_bytes` of each is
+    compared with the budget, in a binary search as in `plan_microbatch`.
+
+    Args:
+      make_step: ``k -> step``; a ``jax.jit``-wrapped step is lowered with its
+        own settings (donation, shardings), a plain function is jitted.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      opt_state: the optimizer state, or None to call ``step(params, batch)``.
+      example: one example: a pytree of arrays without the batch axis.
+      target_batch_size: the rows of the batch each call takes, an int >= 1.
+      memory_budget: bytes the step may use; default as in `plan_microbatch`.
+      max_microbatch_size: largest micro-batch size to consider.
+      multiple_of: candidate sizes are multiples of this.
+      device: the device whose free memory is the default budget.
+
+    Returns:
+      A `MicrobatchPlan`: ``num_microbatches`` is the ``k`` to build the step
+      with, and ``memory_bytes`` that step's compiled memory.
+
+    Raises:
+      ValueError: as `plan_microbatch`.
+      TypeError: for a ``make_step`` that is not callable, non-integer sizes.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax_accum
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> def make_step(k):
+      ...     return optax_accum.microbatch(jax.value_and_grad(loss), k)
+      >>> plan = optax_accum.plan_fused_step(
+      ...     make_step, jnp.zeros((64, 256)), None, jnp.zeros(64),
+      ...     target_batch_size=1024, memory_budget=1_000_000)
+      >>> plan.microbatch_size * plan.num_microbatches
+      1024
+      >>> plan.memory_bytes <= 1_000_000 < plan.next_memory_bytes
+      True
+    """
+    if not callable(make_step):
+        raise TypeError(
+            f"`make_step` must be a function of k that returns the step, got "
+            f"{make_step!r}."
+        )
+    target = _checks.positive_int(target_batch_size, "target_batch_size")
+
+    def step_at(m: int) -> Any:
+        step = make_step(target // m)
+        if not callable(step):
+            raise TypeError(
+                f"`make_step({target // m})` must return the step, got {step!r}."
+            )
+        return step if hasattr(step, "lower") else jax.jit(step)
+
+    return _plan(
+        step_at,
+        lambda m: target,
+        (params, opt_state, example),
+        target,
+        memory_budget,
+        max_microbatch_size,
+        multiple_of,
+        True,  # microbatch splits the batch into k equal parts
+        device,
+    )
+
+
+def _plan(
+    step_at, rows_at, args, target_batch_size, memory_budget, max_microbatch_size,
+    multiple_of, divisors_only, device,
+) -> MicrobatchPlan:  # fmt: skip
+    """The checks and the search both planners share.
+
+    ``step_at(m)`` is the lowerable step for micro-batch size ``m``, and
+    ``rows_at(m)`` the rows of the batch it is lowered with.
+    """
     target = _checks.positive_int(target_batch_size, "target_batch_size")
     multiple_of = _checks.positive_int(multiple_of, "multiple_of")
     max_size = target
@@ -211,15 +330,14 @@ def plan_microbatch(
     if not sizes:
         raise ValueError(
             f"No micro-batch size is a multiple of `multiple_of`={multiple_of}, "
-            f"at most `max_microbatch_size`={max_size}"
+            f"at most `max_microbatch_size`={max_size} and "
             + (
-                f" and a divisor of `target_batch_size`={target}"
+                f"a divisor of `target_batch_size`={target}."
                 if divisors_only
-                else ""
+                else f"at most `target_batch_size`={target}."
             )
-            + "."
         )
-    estimate = _Estimates(step, params, opt_state, example)
+    estimate = _Estimates(step_at, rows_at, *args)
     lo = _largest_fitting(sizes, estimate, budget)
     m = sizes[lo]
     k = math.ceil(target / m)
@@ -239,8 +357,8 @@ def plan_microbatch(
 class _Estimates:
     """The compiled step's memory at each micro-batch size, compiled once."""
 
-    def __init__(self, step, params, opt_state, example):
-        self.lowerable = step if hasattr(step, "lower") else jax.jit(step)
+    def __init__(self, step_at, rows_at, params, opt_state, example):
+        self.step_at, self.rows_at = step_at, rows_at
         # Arrays keep their sharding, so a sharded state is planned per device.
         self.abstract = jax.tree.map(
             lambda x: (
@@ -260,15 +378,16 @@ class _Estimates:
 
     def __call__(self, m: int) -> int:
         if m not in self.memory:
+            rows = self.rows_at(m)
             batch = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(
-                    (m, *np.shape(x)), jax.dtypes.result_type(x)
+                    (rows, *np.shape(x)), jax.dtypes.result_type(x)
                 ),
                 self.example,
             )
             params, opt_state = self.abstract
             args = (params, opt_state, batch) if self.with_state else (params, batch)
-            compiled = self.lowerable.lower(*args).compile()
+            compiled = self.step_at(m).lower(*args).compile()
             self.memory[m] = compiled_memory_bytes(compiled)
         return self.memory[m]
 

@@ -18,7 +18,7 @@ import optax
 from . import _checks
 from ._accumulate import AccumulateState
 from ._deprecations import renamed_arguments
-from ._multisteps import MultiStepsState
+from ._multisteps import MultiStepsState, emitted
 from ._noise_scale import NoiseScale, NoiseScaleState, b_simple, debiased
 
 
@@ -75,7 +75,10 @@ def has_updated(state: Any) -> jax.Array:
         ``nnx.Optimizer``'s ``opt_state``.
 
     Returns:
-      A boolean scalar.
+      A boolean scalar: False after a micro-batch that the skip function
+      rejected, even right after an update. (Of optax's own
+      ``MultiStepsState`` only optax's test can be read, ``mini_step == 0``
+      after an update, which a rejected mini-step leaves as it was.)
 
     Raises:
       ValueError: if ``state`` holds none of these states, or several.
@@ -100,9 +103,7 @@ def has_updated(state: Any) -> jax.Array:
         ) from None
     if isinstance(found, AccumulateState):
         return jnp.asarray(found.updated)
-    # optax's definition: right after an update the window is empty.
-    mini_step, gradient_step = map(jnp.asarray, (found.mini_step, found.gradient_step))
-    return jnp.logical_and(mini_step == 0, gradient_step > 0)
+    return emitted(found)
 
 
 def _value(x: Any) -> jax.Array:

@@ -8,6 +8,7 @@ state (built from abstract shapes only) and the remaining steps. Both runs
 must end bit for bit equal.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,3 +316,69 @@ def test_flax_linen_train_step_resume_mid_window_is_bit_exact(tmp_path):
         restored = step(restored, *batch)
     for field in ("step", "params", "batch_stats", "opt_state"):
         _assert_trees_equal(getattr(restored, field), getattr(reference, field))
+
+
+def _optax_loop(opt, params, opt_state, batches):
+    """A user's optax.MultiSteps-style loop: params and state per batch."""
+    step = jax.jit(
+        lambda p, s, b: (lambda u, s: (optax.apply_updates(p, u), s))(
+            *opt.update(jax.grad(_loss)(p, b), s, p)
+        )
+    )
+    for batch in batches:
+        params, opt_state = step(params, opt_state, batch)
+    return params, opt_state
+
+
+@pytest.mark.parametrize(
+    ("use_grad_mean", "skip"),
+    [
+        (False, optax.skip_not_finite),
+        (True, None),
+        pytest.param(True, optax.skip_not_finite, marks=pytest.mark.slow),
+        pytest.param(False, None, marks=pytest.mark.slow),
+    ],
+)
+def test_optax_checkpoint_restores_into_multisteps(tmp_path, use_grad_mean, skip):
+    # Issue 23: an optax.MultiSteps checkpoint, saved mid-window (after a
+    # skipped micro-batch), restored by the obvious call, continues as optax.
+    opts = dict(use_grad_mean=use_grad_mean, should_skip_update_fn=skip)
+    adam = optax.adam(1e-2)
+    theirs, ours = (
+        optax.MultiSteps(adam, K, **opts),
+        optax_accum.MultiSteps(adam, K, **opts),
+    )
+    batches = _batches()
+    if skip is None:  # no NaN without a skip function
+        batches = batches[:3] + batches[4:]
+    params = {"w": jnp.full((5, 3), 0.1, jnp.float32), "b": jnp.zeros(3)}
+    params, state = _optax_loop(theirs, params, theirs.init(params), batches[:STOP_AT])
+    assert int(state.mini_step) in (1, 2) and int(state.gradient_step) == 1
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    abstract = {
+        "params": jax.eval_shape(lambda: params),
+        "opt_state": jax.eval_shape(ours.init, params),
+    }
+    if skip is not None:
+        # optax's fields cannot say whether the last call updated: ours has
+        # one more, which an optax checkpoint lacks. Restore without it.
+        with (
+            ocp.StandardCheckpointer() as ckptr,
+            pytest.raises(ValueError, match="updated"),
+        ):
+            ckptr.restore(tmp_path / "ckpt", abstract)
+        abstract["opt_state"] = abstract["opt_state"]._replace(updated=())
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(tmp_path / "ckpt", abstract)
+    assert type(restored["opt_state"]) is optax_accum.MultiStepsState
+    ref = _optax_loop(theirs, params, state, batches[STOP_AT:])
+    got = _optax_loop(
+        ours, restored["params"], restored["opt_state"], batches[STOP_AT:]
+    )
+    assert int(got[1].gradient_step) == int(ref[1].gradient_step) == 2
+    chex.assert_trees_all_close(got[0], ref[0], rtol=1e-6)
+    chex.assert_trees_all_close(
+        got[1].inner_opt_state, ref[1].inner_opt_state, rtol=1e-6
+    )
+    chex.assert_trees_all_close(got[1].acc_grads, ref[1].acc_grads, rtol=1e-6)

@@ -2,6 +2,7 @@
 # Copyright 2026 The optax_accum Authors.
 """Tests for `plan_microbatch`, against memory measured by compiling directly."""
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -272,3 +273,64 @@ def test_flax_nnx_state_with_prng_keys():
     )
     assert (plan.microbatch_size, plan.num_microbatches) == (8, 4)
     assert (plan.memory_bytes, plan.next_memory_bytes) == (fits, too_big)
+
+
+def test_rounded_up_plan_never_exceeds_the_target(setup):
+    # Issue 23: target 10 with max_microbatch_size=64 planned 64 x 1.
+    step, params, opt_state, example = setup
+    plan = optax_accum.plan_microbatch(
+        step, params, opt_state, example, 10, memory_budget=10**9,
+        max_microbatch_size=64, divisors_only=False,
+    )  # fmt: skip
+    assert (plan.microbatch_size, plan.num_microbatches) == (10, 1)
+    assert plan.next_microbatch_size is None
+    with pytest.raises(ValueError, match="at most `target_batch_size`=10"):
+        optax_accum.plan_microbatch(
+            step, params, opt_state, example, 10, memory_budget=10**9,
+            multiple_of=16, divisors_only=False,
+        )  # fmt: skip
+
+
+@functools.cache
+def _make_fused_step(k):
+    """The real fused step: the whole batch, k micro-batches inside."""
+    tx = optax.sgd(1e-3)
+    grad_fn = optax_accum.microbatch(jax.value_and_grad(_loss), k)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = grad_fn(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def test_fused_step_plan_is_the_compiled_fused_step(setup):
+    # Issue 23: the plan of a fused step is that step's compiled memory at
+    # the whole batch, for the k it returns (and the next size up's).
+    _, params, _, example = setup
+    opt_state = optax.sgd(1e-3).init(params)
+    full = _batch_spec(TARGET)
+    mem = {
+        k: _bytes(_make_fused_step(k).lower(params, opt_state, full)) for k in (2, 4)
+    }
+    assert mem[4] < mem[2]  # smaller micro-batches, less memory
+    plan = optax_accum.plan_fused_step(
+        _make_fused_step, params, opt_state, example, TARGET,
+        memory_budget=(mem[4] + mem[2]) // 2, multiple_of=64,
+    )  # fmt: skip
+    assert (plan.microbatch_size, plan.num_microbatches) == (64, 4)
+    assert plan.effective_batch_size == TARGET
+    assert (plan.memory_bytes, plan.next_memory_bytes) == (mem[4], mem[2])
+    assert plan.next_microbatch_size == 128
+
+
+def test_fused_step_bad_input(setup):
+    _, params, opt_state, example = setup
+    with pytest.raises(TypeError, match="`make_step`"):
+        optax_accum.plan_fused_step(None, params, opt_state, example, 8)
+    with pytest.raises(TypeError, match=r"`make_step\(1\)`"):
+        optax_accum.plan_fused_step(
+            lambda k: None, params, opt_state, example, 8, memory_budget=10**9
+        )

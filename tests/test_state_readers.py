@@ -96,3 +96,25 @@ def test_has_updated_reads_multisteps_with_noise_scale():
     off = optax_accum.MultiSteps(optax.sgd(1.0), 2).init(params)
     ref = optax.MultiSteps(optax.sgd(1.0), 2).init(params)
     assert len(jax.tree.leaves(off)) == len(jax.tree.leaves(ref))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_has_updated_is_false_after_a_rejected_mini_step_on_both_faces(jit):
+    # Issue 20, defect 11: g, g, NaN, g with k = 2 updates on the second call
+    # only. MultiSteps said True after the NaN (the window is still empty).
+    params = {"w": jnp.zeros(2)}
+    skip = optax_accum.skip_not_finite
+    acc = optax_accum.accumulate(optax.sgd(1.0), 2, skip_fn=skip)
+    ms = optax_accum.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
+    grads = [jnp.ones(2), jnp.ones(2), jnp.full(2, jnp.nan), jnp.ones(2)]
+    flags = {"accumulate": [], "MultiSteps": [], "MultiSteps.has_updated": []}
+    acc_update, ms_update = (jax.jit(f) if jit else f for f in (acc.update, ms.update))
+    acc_state, ms_state = acc.init(params), ms.init(params)
+    for g in grads:
+        _, acc_state = acc_update({"w": g}, acc_state, params)
+        _, ms_state = ms_update({"w": g}, ms_state, params)
+        flags["accumulate"].append(bool(optax_accum.has_updated(acc_state)))
+        flags["MultiSteps"].append(bool(optax_accum.has_updated(ms_state)))
+        flags["MultiSteps.has_updated"].append(bool(ms.has_updated(ms_state)))
+    expected = [False, True, False, False]
+    assert flags == dict.fromkeys(flags, expected)
