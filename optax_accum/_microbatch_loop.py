@@ -224,8 +224,10 @@ def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, row
 
         g = out.grads
         if weighted and not how.in_backward:
-            g = jax.tree.map(lambda x: _times(x, m), g)
-        v = out.value if m is None else jax.tree.map(lambda x: _times(x, m), out.value)
+            g = jax.tree.map(lambda x, a: _times(x, m, a), g, carry.grads)
+        v = out.value
+        if m is not None:
+            v = jax.tree.map(lambda x, a: _times(x, m, a), v, carry.value)
     grads = jax.tree.map(add, carry.grads, g)
     value = jax.tree.map(add, carry.value, v)
     noise = carry.noise
@@ -239,8 +241,10 @@ def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, row
     return Carry(value, grads, noise, loss_scale, out.state)
 
 
-def _times(x: jax.Array, m: jax.Array) -> jax.Array:
-    wide = _dtypes.compute(x.dtype)
+def _times(x: jax.Array, m: jax.Array, buffer: jax.Array) -> jax.Array:
+    """``x`` cast to its buffer's precision first, then weighed by ``m``:
+    one rounding, the buffer's, as the unweighted sum has."""
+    wide = _dtypes.compute(jnp.promote_types(x.dtype, buffer.dtype))
     return x.astype(wide) * m.astype(wide)
 
 
