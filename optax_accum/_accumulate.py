@@ -118,18 +118,18 @@ def accumulate(
     micro-batch of weight 0 contributes nothing, even if its gradients are
     NaN, and is no rejection (``skip_fn`` does not judge it; it counts
     towards ``every_k``); one whose weight is NaN, infinite or negative is
-    rejected like a ``skip_fn`` rejection and counted in ``num_skipped``. Weights are held in
-    float32 (float64 where the accumulator is float64): any finite positive
-    weight from the smallest normal number up is honoured, and any number of
-    them, since the window keeps the mean of its weights, not their sum, and
-    its arithmetic runs at the accumulator's precision. A weight whose value
-    is known when ``update`` runs (a Python or NumPy value, or a
-    ``jax.Array`` in an eager call) raises if it is negative, not finite or
-    does not fit (1e39, or a subnormal 1e-40 in float32); under ``jit`` it is
-    traced, so a bad one is rejected and counted instead, and a traced
-    subnormal weight is flushed to 0 by XLA and weighs 0. A window
-    whose weights sum to 0 (all padding) emits zeros and leaves ``inner``'s
-    state and ``update_step`` untouched, like a hold step.
+    rejected like a ``skip_fn`` rejection and counted in ``num_skipped``.
+    Weights are held in float32 (float64 where the accumulator is float64):
+    any finite positive weight from the smallest normal number up is
+    honoured, and any number of them, since the window keeps the mean of its
+    weights, not their sum, and its arithmetic runs at the accumulator's
+    precision. A weight whose value is known when ``update`` runs (a Python
+    or NumPy value, or a ``jax.Array`` in an eager call) raises if it is
+    negative, not finite or does not fit (1e39, or a subnormal 1e-40 in
+    float32); under ``jit`` it is traced, so a bad one is rejected and
+    counted instead, and a traced subnormal weight is flushed to 0 by XLA and
+    weighs 0. A window whose weights sum to 0 (all padding) emits zeros and
+    leaves ``inner``'s state and ``update_step`` untouched, like a hold step.
 
     Under ``jax.vmap``, ``lax.cond`` with a batched predicate runs both
     branches, so the inner optimizer then runs on every micro-step.

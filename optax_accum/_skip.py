@@ -181,6 +181,9 @@ class _LargeUpdates:
 
     max_norm: Any
 
+    def __repr__(self) -> str:
+        return f"skip_large_updates({self.max_norm!r})"
+
     def __call__(self, grads: Any, step: Any, params: Any):
         del step, params
         leaves = [g for g in jax.tree.leaves(grads) if not _dtypes.is_float0(g)]
