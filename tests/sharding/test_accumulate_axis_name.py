@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -193,29 +195,30 @@ def test_skip_fn_agrees_across_devices_with_one_scalar_all_reduce():
     assert (inside, outside) == (1, 1)
 
 
-def _one_call(tx, grads, weights):
-    """One `update` on ``len(grads)`` devices: the update and the state."""
-    n = len(grads)
+_SKIP = optax_accum.skip_large_updates(50.0)
+
+
+@functools.cache
+def _skip_large_step(n):
+    """One `update` of SGD(1), k = 1, `skip_large_updates(50)`, on ``n``
+    devices, compiled once: the update and the state."""
+    tx = optax_accum.accumulate(optax.sgd(1.0), 1, axis_name="d", skip_fn=_SKIP)
     mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
     params = jnp.zeros(())
     specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
-    def step(s, g, w):
-        u, s = tx.update(g[0], s, params, weight=w[0])
+    def step(g, w):
+        u, s = tx.update(g[0], tx.init(params), params, weight=w[0])
         return u[None], s
 
     sm = jax.jit(
         jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(specs, P("d"), P("d")),
-            out_specs=(P("d"), specs),
+            step, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), specs)
         )
     )
     shard = NamedSharding(mesh, P("d"))
     put = lambda a: jax.device_put(jnp.asarray(a, jnp.float32), shard)
-    return sm(init(params), put(grads), put(weights))
+    return lambda grads, weights: sm(put(grads), put(weights))
 
 
 @pytest.mark.parametrize(
@@ -231,13 +234,11 @@ def _one_call(tx, grads, weights):
 def test_skip_large_updates_judges_the_micro_batch_gradient_in_both_modes(
     grads, weights, skipped
 ):
-    skip = optax_accum.skip_large_updates(50.0)
-    tx = optax_accum.accumulate(optax.sgd(1.0), 1, axis_name="d", skip_fn=skip)
-    u, state = _one_call(tx, grads, weights)
+    u, state = _skip_large_step(len(grads))(grads, weights)
     w = np.asarray(weights)
     mean = np.sum(np.where(w > 0, w * np.asarray(grads), 0.0)) / np.sum(w)
     # The global view: one device, the micro-batch's gradient as jax.grad gives it.
-    glob = optax_accum.accumulate(optax.sgd(1.0), 1, skip_fn=skip)
+    glob = optax_accum.accumulate(optax.sgd(1.0), 1, skip_fn=_SKIP)
     g_u, g_state = glob.update(jnp.float32(mean), glob.init(jnp.zeros(())), None)
     assert bool(g_state.num_skipped) == skipped
     np.testing.assert_allclose(np.asarray(u), [float(g_u)] * len(grads), rtol=1e-6)
