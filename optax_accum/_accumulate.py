@@ -116,16 +116,20 @@ def accumulate(
 
     **Weights** (the same contract as `microbatch`'s ``weight_fn``): a
     micro-batch of weight 0 contributes nothing, even if its gradients are
-    NaN; one whose weight is NaN, infinite or negative is rejected like a
-    ``skip_fn`` rejection and counted in ``num_skipped``. Weights are held in
-    float32 (float64 where the accumulator is float64): any finite positive
-    weight from the smallest normal number up is honoured, and any number of
-    them, since the window keeps the mean of its weights, not their sum, and
-    its arithmetic runs at the accumulator's precision. A constant weight
-    that does not fit (1e39, or a subnormal 1e-40 in float32) raises; a
-    traced subnormal weight is flushed to 0 by XLA and weighs 0. A window
-    whose weights sum to 0 (all padding) emits zeros and leaves ``inner``'s
-    state and ``update_step`` untouched, like a hold step.
+    NaN, and is no rejection (``skip_fn`` does not judge it; it counts
+    towards ``every_k``); one whose weight is NaN, infinite or negative is
+    rejected like a ``skip_fn`` rejection and counted in ``num_skipped``.
+    Weights are held in float32 (float64 where the accumulator is float64):
+    any finite positive weight from the smallest normal number up is
+    honoured, and any number of them, since the window keeps the mean of its
+    weights, not their sum, and its arithmetic runs at the accumulator's
+    precision. A weight whose value is known when ``update`` runs (a Python
+    or NumPy value, or a ``jax.Array`` in an eager call) raises if it is
+    negative, not finite or does not fit (1e39, or a subnormal 1e-40 in
+    float32); under ``jit`` it is traced, so a bad one is rejected and
+    counted instead, and a traced subnormal weight is flushed to 0 by XLA and
+    weighs 0. A window whose weights sum to 0 (all padding) emits zeros and
+    leaves ``inner``'s state and ``update_step`` untouched, like a hold step.
 
     Under ``jax.vmap``, ``lax.cond`` with a batched predicate runs both
     branches, so the inner optimizer then runs on every micro-step.
@@ -142,11 +146,16 @@ def accumulate(
         floating or complex dtype; or ``None`` for each gradient's own dtype.
         Emitted updates have ``inner``'s dtypes.
       skip_fn: optional `SkipFn`. A rejected micro-batch leaves the state as if
-        it never arrived and is counted in ``num_skipped``.
+        it never arrived and is counted in ``num_skipped``. With
+        ``axis_name``, a skip function judges each device's own gradients
+        and the micro-batch is rejected if any device rejects it, except
+        `skip_large_updates`, which judges the micro-batch's gradient over
+        every device, as in the global view. Not with ``data_axes``.
       axis_name: inside ``pmap`` or ``shard_map``, the mapped axis. Do not
         ``pmean`` the gradients yourself: each device accumulates its own and
         the weighted cross-device reduction runs once, in the boundary branch.
-        With ``skip_fn`` the devices also agree on skipping (a scalar psum);
+        With ``skip_fn`` the devices also agree on skipping (a scalar psum;
+        `skip_large_updates` all-reduces the gradients per micro-step);
         without one, a device's bad weight counts as 0 (not in
         ``num_skipped``), which keeps the devices in step without it.
       allow_value_fn: accept a ``value_fn`` extra argument (line searches such
@@ -163,7 +172,9 @@ def accumulate(
       noise_scale_decay: ``None`` (off: the state and the compiled program are
         as without it) or the EMA decay in (0, 1) of the gradient noise scale,
         measured from each window's micro-batch gradients and their mean and
-        read with `noise_scale`. Needs ``reduction="mean"``. It costs one
+        read with `noise_scale`. Needs ``reduction="mean"``, and windows of
+        several micro-batches: ``every_k`` >= 2, or ``axis_name`` (each
+        device's micro-batch is then one of them). It costs one
         squared-norm reduction per micro-step and a few scalars added to the
         boundary's all-reduce. ``every_k`` may then be `adaptive_every_k`.
 
@@ -182,8 +193,10 @@ def accumulate(
     Raises:
       ValueError: for ``every_k`` < 1, an unknown ``reduction``, gradients that
         do not match the state, a non-scalar ``weight`` or ``close_window``, a
-        constant ``weight`` that is negative, not finite or does not fit its
-        dtype, or a ``value_fn`` without ``allow_value_fn``.
+        known ``weight`` that is negative, not finite or does not fit its
+        dtype, a ``value_fn`` without ``allow_value_fn``, ``skip_fn`` or
+        ``noise_scale_decay`` with ``data_axes``, or ``noise_scale_decay``
+        with ``every_k=1`` and no ``axis_name``.
       TypeError: for an ``inner`` that is not an optimizer (e.g. the factory
         ``optax.adam`` uncalled), a non-integer ``every_k``, a non-float
         ``accumulator_dtype``, a ``skip_fn`` that is not a skip function (e.g.
@@ -292,12 +305,15 @@ def _engine_for(
             f"(global view), not both: got axis_name={axis_name!r}, "
             f"data_axes={data_axes!r}."
         )
+    _checks.needs_whole_gradients(data_axes, {"skip_fn": skip_fn})
     adaptive = isinstance(every_k, _schedules.AdaptiveEveryK)
+    one = _schedules.is_static_one(every_k)
     decay = ns.check_options(
-        noise_scale_decay, adaptive, reduction, "every_k", data_axes
-    )
+        noise_scale_decay, adaptive, reduction, "every_k", data_axes,
+        single=one and axis_name is None,
+    )  # fmt: skip
     # With a static k of 1 the window is the micro-batch: its value_fn is.
-    allow = bool(allow_value_fn) or _schedules.is_static_one(every_k)
+    allow = bool(allow_value_fn) or one
     return Engine(
         inner=optax.with_extra_args_support(inner),
         k_of=_schedules.k_of(every_k, "every_k"),

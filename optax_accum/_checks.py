@@ -25,6 +25,14 @@ def is_constant(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer | jax.Array)
 
 
+def is_concrete(x: Any) -> bool:
+    """Whether ``x``'s value can be read now: a constant, or a ``jax.Array``
+    that is not traced (an eager call) and is held by this process."""
+    if is_constant(x):
+        return True
+    return not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+
+
 def positive_int(value: Any, name: str) -> int:
     """``value`` as an int, or an error if it is not an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
@@ -84,9 +92,29 @@ def finite_nonnegative(value: Any, name: str, *, arrays: bool = False) -> None:
 
     With ``arrays``, a concrete ``jax.Array`` counts as a constant too.
     """
-    known = is_constant(value) or (arrays and not isinstance(value, jax.core.Tracer))
+    known = is_concrete(value) if arrays else is_constant(value)
     if known and not (math.isfinite(float(value)) and value >= 0):
         raise ValueError(f"`{name}` must be finite and >= 0, got {value!r}.")
+
+
+def needs_whole_gradients(data_axes: Any, options: dict[str, Any]) -> None:
+    """Refuses options that read each micro-batch's whole gradient with
+    ``data_axes``, which leaves it as unreduced partial sums, one per device,
+    until the window's end. ``options`` maps each option's name to its value
+    (None: not set); the error names the first that is set, and `data_axes`.
+    """
+    if not data_axes:
+        return
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(
+                f"`{name}` reads each micro-batch's whole gradient, which "
+                "`data_axes` leaves as unreduced partial sums on each device "
+                "until the window's end: pass one or the other, not both (got "
+                f"data_axes={data_axes!r}, {name}={value!r}). Without "
+                f"`data_axes`, jax.grad reduces each gradient and `{name}` "
+                "works."
+            )
 
 
 def bool_scalar(value: Any, name: str) -> jax.Array:

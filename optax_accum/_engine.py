@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from . import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _weights
+from . import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _skip, _weights
 from . import _noise_scale as ns
 from ._checks import bool_scalar
 from ._devices import Devices
@@ -79,7 +79,6 @@ class Step(NamedTuple):
     skip_state: Any
 
 
-SkipDecider = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 KOf = Callable[[jax.Array, Any], jax.Array]
 
 
@@ -93,7 +92,7 @@ class Engine:
       adaptive: the `AdaptiveEveryK` schedule, if any (fed by the noise scale).
       reduction: the `Mean` or `Sum` strategy.
       accumulator_dtype: the canonical accumulator dtype policy.
-      skip: ``(grads, update_step, params) -> (should_skip, skip_state)``.
+      skip: the checked skip function (`_skip.Decider`), if any.
       devices: local, or per device of an axis name.
       data_axes: mesh axes over which the gradients arrive unreduced.
       extra_args: how to read one call's extra args,
@@ -106,7 +105,7 @@ class Engine:
     adaptive: Any
     reduction: Mean | Sum
     accumulator_dtype: Any
-    skip: SkipDecider | None
+    skip: _skip.Decider | None
     devices: Devices
     data_axes: tuple[str, ...]
     extra_args: Callable[..., _extra_args.WindowArgs]  # (extra_args, *, value_slot)
@@ -146,7 +145,8 @@ class Engine:
         if self.skip is None:
             return ()
         zeros = jax.tree.map(jnp.zeros_like, params)
-        _, skip_state = self.skip(zeros, jnp.zeros([], jnp.int32), params)
+        step, one = jnp.zeros([], jnp.int32), jnp.ones([], jnp.float32)
+        _, skip_state = self.skip(zeros, step, params, one, Devices())
         return self.devices.local(skip_state)
 
     # ---- one micro-step ----------------------------------------------------
@@ -196,18 +196,20 @@ class Engine:
         value_slot = not isinstance(window.value, tuple)
         args = self.extra_args(extra_args, value_slot=value_slot)
         bad_weight = jnp.logical_not(_weights.usable(w))
+        w = _weights.admitted(w)
         if self.skip is None:
             skip_state = ()
             # Per device, agreeing would cost an all-reduce per micro-step:
             # a bad weight there just weighs 0 (`_weights`' contract).
             should_skip = jnp.bool_(False) if self.devices.mapped else bad_weight
         else:
-            should_skip, skip_state = self.skip(grads, window.update_step, params)
+            step = window.update_step
+            should_skip, skip_state = self.skip(grads, step, params, w, self.devices)
             # Every device must agree, or their windows (and collectives)
             # would diverge: one scalar all-reduce per micro-step.
             should_skip = self.devices.agree(should_skip | bad_weight)
         accept = jnp.logical_not(should_skip)
-        w = jnp.where(accept, _weights.admitted(w), jnp.zeros_like(w))
+        w = jnp.where(accept, w, jnp.zeros_like(w))
         skip_state = self.devices.local(skip_state)
         return Admitted(grads, w, accept, close, skip_state, args)
 

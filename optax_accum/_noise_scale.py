@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _checks, _dtypes
+
 if TYPE_CHECKING:
     from ._schedules import AdaptiveEveryK
 
@@ -77,7 +79,10 @@ class NoiseScale(NamedTuple):
 
     Attributes:
       b_simple: ``tr(Sigma) / |G|^2``, the ratio of the two EMAs; NaN before
-        the first window.
+        the first window. The estimates can be <= 0 (an early, noisy window):
+        ``b_simple`` is ``inf`` where the ``|G|^2`` estimate is <= 0 and the
+        ``tr(Sigma)`` one positive (the noise dominates: no batch is too
+        large), and 0 where the ``tr(Sigma)`` estimate is <= 0.
       trace_sigma: bias-corrected EMA of ``tr(Sigma)``, the per-unit gradient
         covariance trace.
       grad_sq: bias-corrected EMA of ``|G|^2``, the true gradient's squared
@@ -113,16 +118,23 @@ def check_decay(decay: Any) -> float | None:
 
 
 def check_options(
-    decay: Any, adaptive: bool, reduction: str, k_name: str, data_axes: Any = ()
+    decay: Any,
+    adaptive: bool,
+    reduction: str,
+    k_name: str,
+    data_axes: Any = (),
+    *,
+    single: bool = False,
+    axis_name_option: bool = True,
 ) -> float | None:
-    """``noise_scale_decay`` checked with the options it depends on."""
+    """``noise_scale_decay`` checked with the options it depends on.
+
+    ``single``: every window is one micro-batch on one device (a static k of
+    1, no axis name), which measures nothing; ``axis_name_option``: whether
+    the caller has an ``axis_name`` to suggest instead.
+    """
     decay = check_decay(decay)
-    if decay is not None and data_axes:
-        raise ValueError(
-            "`noise_scale_decay` needs each device's micro-batch gradients, which "
-            "`data_axes` leaves as unreduced partial sums: use one or the other "
-            f"(got data_axes={data_axes!r})."
-        )
+    _checks.needs_whole_gradients(data_axes, {"noise_scale_decay": decay})
     if adaptive and decay is None:
         raise ValueError(
             f"`{k_name}`=adaptive_every_k(...) reads the noise scale: pass "
@@ -132,6 +144,20 @@ def check_options(
         raise ValueError(
             "`noise_scale_decay` needs mean gradients (reduction='mean', or "
             f"use_grad_mean=True), got reduction={reduction!r}."
+        )
+    if decay is not None and single:
+        devices = (
+            ", or `axis_name` inside shard_map/pmap (each device's micro-batch "
+            "is then a small batch)"
+            if axis_name_option
+            else ""
+        )
+        raise ValueError(
+            f"`noise_scale_decay`={decay!r} with `{k_name}`=1 measures nothing: "
+            "the noise scale compares a window's micro-batch gradients with "
+            "their mean, and a window of one micro-batch on one device has "
+            f"nothing to compare (B_simple would stay NaN). Use `{k_name}` >= 2"
+            f"{devices}, or leave `noise_scale_decay` unset."
         )
     return decay
 
@@ -160,9 +186,12 @@ def squared_norm(tree: Any) -> jax.Array:
     A full contraction ``x . x`` rather than ``sum(x**2)``: the same single
     read of ``x``, and on the CPU XLA runs it as a BLAS dot, about 15% faster
     than its reduction; bf16 leaves are read as they are, with no f32 copy.
+    ``float0`` leaves (integer parameters' gradients) count as zero.
     """
     total = jnp.zeros([], jnp.float32)
     for x in jax.tree.leaves(tree):
+        if _dtypes.is_float0(x):  # an integer input's gradient: no norm
+            continue
         dims = tuple(range(jnp.ndim(x)))
         total = total + lax.dot_general(
             x, x, ((dims, dims), ((), ())), preferred_element_type=jnp.float32

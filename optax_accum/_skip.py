@@ -9,13 +9,19 @@ They follow optax's ``ShouldSkipUpdateFunction`` convention: called as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from . import _dtypes
+
+if TYPE_CHECKING:
+    from ._devices import Devices
 
 
 class SkipFn(Protocol):
@@ -53,16 +59,41 @@ def check(skip_fn: Any, name: str) -> None:
         pass
 
 
-def decider(skip_fn: SkipFn | None, name: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Decider:
+    """A checked skip function, as the engine calls it; see `__call__`."""
+
+    fn: SkipFn
+    name: str  # the caller's name for it, in errors
+
+    def __call__(
+        self,
+        grads: Any,
+        update_step: jax.Array,
+        params: Any,
+        weight: jax.Array,
+        devices: Devices,
+    ) -> tuple[jax.Array, Any]:
+        """``(should_skip, skip_state)`` for a micro-batch of (admitted)
+        ``weight``, normalised and checked.
+
+        Weight 0 contributes nothing and is no rejection, so it is not
+        judged: a padding micro-batch's NaN gradient does not shift the
+        window. `skip_large_updates` judges the micro-batch's whole gradient,
+        over every device (`Devices.whole`); any other skip function judges
+        what it is given, each device's own gradient under an axis name.
+        """
+        if isinstance(self.fn, _LargeUpdates):
+            grads, weight = devices.whole(grads, weight)
+        result = self.fn(grads, update_step, params)
+        should_skip, skip_state = decision(result, self.name)
+        return should_skip & (weight > 0), skip_state
+
+
+def decider(skip_fn: SkipFn | None, name: str) -> Decider | None:
     """``skip_fn`` with its result checked (in the caller's ``name`` for it)
     and normalised to ``(should_skip, skip_state)``; None stays None."""
-    if skip_fn is None:
-        return None
-
-    def decide(grads: Any, update_step: jax.Array, params: Any):
-        return decision(skip_fn(grads, update_step, params), name)
-
-    return decide
+    return None if skip_fn is None else Decider(skip_fn, name)
 
 
 def decision(result: Any, name: str) -> tuple[jax.Array, Any]:
@@ -112,7 +143,15 @@ def skip_not_finite(
 def skip_large_updates(max_norm: jax.typing.ArrayLike) -> Any:
     """Returns a ``skip_fn`` rejecting gradients whose global norm exceeds ``max_norm``.
 
-    A NaN or infinite norm is rejected too.
+    The norm judged is the micro-batch's gradient's in every mode: with
+    ``accumulate(..., axis_name=...)``, the norm of the weighted mean of the
+    devices' gradients, ``|sum_d w_d g_d / sum_d w_d|`` (a device of weight 0
+    left out), as the global view's ``jax.grad`` of the whole micro-batch
+    gives it, not each device's own norm. That costs one all-reduce of the
+    gradients per micro-step under ``axis_name``; the devices then agree by
+    construction. A NaN or infinite norm is rejected too; a micro-batch of
+    weight 0 is never rejected. ``float0`` leaves (integer parameters) count
+    as zero.
 
     Args:
       max_norm: the largest accepted global L2 norm, > 0.
@@ -132,11 +171,22 @@ def skip_large_updates(max_norm: jax.typing.ArrayLike) -> Any:
     """
     if np.ndim(max_norm) != 0 or not float(max_norm) > 0:
         raise ValueError(f"`max_norm` must be a positive scalar, got {max_norm!r}.")
+    return _LargeUpdates(max_norm)
 
-    def skip_fn(grads, step, params):
+
+@dataclasses.dataclass(frozen=True)
+class _LargeUpdates:
+    """`skip_large_updates`' skip function (the engine knows it by its type:
+    it judges the whole micro-batch's gradient)."""
+
+    max_norm: Any
+
+    def __repr__(self) -> str:
+        return f"skip_large_updates({self.max_norm!r})"
+
+    def __call__(self, grads: Any, step: Any, params: Any):
         del step, params
-        norm = optax.tree.norm(grads).astype(jnp.float32)
-        should_skip = jnp.logical_not(norm <= max_norm)
+        leaves = [g for g in jax.tree.leaves(grads) if not _dtypes.is_float0(g)]
+        norm = optax.tree.norm(leaves).astype(jnp.float32)
+        should_skip = jnp.logical_not(norm <= self.max_norm)
         return should_skip, {"should_skip": should_skip, "norm": norm}
-
-    return skip_fn

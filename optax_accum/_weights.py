@@ -8,7 +8,9 @@ A micro-batch's weight ``w`` (``accumulate``'s ``weight=``, ``microbatch``'s
 - ``w > 0`` contributes ``w``-weighted: the window's gradient is
   ``sum_i w_i g_i / sum_i w_i`` (mean) or ``sum_i w_i g_i`` (sum);
 - ``w == 0`` contributes nothing, whatever its gradients hold (an all-padding
-  micro-batch's 0/0 = NaN token mean is selected out, never multiplied);
+  micro-batch's 0/0 = NaN token mean is selected out, never multiplied), and
+  is no rejection: a ``skip_fn`` does not judge it, and it counts in the
+  window like any accepted micro-batch;
 - NaN, an infinity or ``w < 0`` rejects the micro-batch: it contributes
   nothing, and the rest of the window is unchanged (`accumulate` counts it in
   ``num_skipped``). On one device of several it changes only that device's
@@ -19,8 +21,10 @@ where the accumulator is float64). Positive weights from the smallest normal
 number to the largest finite one are honoured, and any number of them: sums
 are normalised by the window's largest weight (or kept as a mean), so they
 cannot overflow. A constant weight outside that range (1e39 or 1e-40 in
-float32) raises; a traced subnormal weight is flushed to 0 by XLA on CPU and
-GPU and so weighs 0.
+float32) raises, and so does a negative or non-finite one, whether it is a
+Python or NumPy value or a ``jax.Array`` in an eager call; a traced one
+(under ``jit``) cannot raise, so it is rejected at run time, and a traced
+subnormal weight is flushed to 0 by XLA on CPU and GPU and so weighs 0.
 """
 
 from __future__ import annotations
@@ -60,31 +64,37 @@ def _ldexp(x: jax.Array, exponent: jax.Array) -> jax.Array:
 def check(weight: Any, dtype: Any) -> jax.Array:
     """The micro-batch weight as a ``dtype`` scalar (1 for None).
 
-    A constant that is not a real scalar, is negative or not finite, or does
-    not fit ``dtype`` (overflows it, or is subnormal in it) raises; a traced
-    bad weight is rejected at run time (see `usable`).
+    A weight whose value is known now (a Python or NumPy value, or a
+    ``jax.Array`` in an eager call) raises if it is not a real scalar, is
+    negative or not finite, or does not fit ``dtype`` (overflows it, or is
+    subnormal in it); a traced bad weight is rejected at run time (see
+    `usable`).
     """
     if weight is None:
         return jnp.ones([], dtype)
     _checks.real_scalar(weight, "weight")
-    _checks.finite_nonnegative(weight, "weight")
-    if _checks.is_constant(weight) and weight > 0:
-        info = jnp.finfo(dtype)
-        value = float(np.asarray(weight))
-        if value > float(info.max):
-            raise ValueError(
-                f"`weight`={weight!r} overflows {info.dtype} (largest finite "
-                f"value {float(info.max):.3g}): scale the weights down; only "
-                "their ratios matter for the mean."
-            )
-        if value < float(info.smallest_normal):
-            raise ValueError(
-                f"`weight`={weight!r} is subnormal in {info.dtype} (below "
-                f"{float(info.smallest_normal):.3g}), which XLA flushes to 0 "
-                "on CPU and GPU: scale the weights up; only their ratios "
-                "matter for the mean."
-            )
+    _checks.finite_nonnegative(weight, "weight", arrays=True)
+    if _checks.is_concrete(weight):
+        _check_range(float(np.asarray(weight)), weight, dtype)
     return jnp.asarray(weight, dtype)
+
+
+def _check_range(value: float, weight: Any, dtype: Any) -> None:
+    """A known weight > 0 must be a normal number of ``dtype``."""
+    info = jnp.finfo(dtype)
+    if value > float(info.max):
+        raise ValueError(
+            f"`weight`={weight!r} overflows {info.dtype} (largest finite "
+            f"value {float(info.max):.3g}): scale the weights down; only "
+            "their ratios matter for the mean."
+        )
+    if 0 < value < float(info.smallest_normal):
+        raise ValueError(
+            f"`weight`={weight!r} is subnormal in {info.dtype} (below "
+            f"{float(info.smallest_normal):.3g}), which XLA flushes to 0 "
+            "on CPU and GPU: scale the weights up; only their ratios "
+            "matter for the mean."
+        )
 
 
 def usable(w: jax.Array) -> jax.Array:

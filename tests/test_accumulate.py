@@ -381,3 +381,34 @@ def test_integer_parameters_gradients_pass_through_as_float0():
     mean = jax.tree.map(lambda a, b: (a + b) / 2, grads[0]["w"], grads[1]["w"])
     ref, _ = inner.update({"w": mean, "step": grads[0]["step"]}, ref_state, params)
     chex.assert_trees_all_close(u["w"], ref["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"noise_scale_decay": 0.5},
+        {"skip_fn": optax_accum.skip_large_updates(100.0)},
+        {"skip_fn": optax_accum.skip_not_finite},
+    ],
+)
+def test_integer_parameters_with_noise_scale_and_skip_functions(option):
+    params = {"w": jnp.ones(3), "step": jnp.int32(3)}
+
+    def loss(p, x):
+        return jnp.sum((x * p["w"]) ** 2) * p["step"]
+
+    inner = optax.masked(optax.sgd(1.0), {"w": True, "step": False})
+    tx = optax_accum.accumulate(inner, 2, **option)
+    state, step = tx.init(params), jax.jit(tx.update)
+    grads = [jax.grad(loss, allow_int=True)(params, x) for x in (1.0, 2.0)]
+    for g in grads:
+        u, state = step(g, state, params)
+    assert u["step"].dtype == jax.dtypes.float0 and int(state.num_skipped) == 0
+    np.testing.assert_allclose(u["w"], -(grads[0]["w"] + grads[1]["w"]) / 2)
+    if "noise_scale_decay" in option:  # the norms leave the float0 leaf out
+        g1, g2 = (np.asarray(g["w"], np.float64) for g in grads)
+        small, big = (g1 @ g1 + g2 @ g2) / 2, (g1 + g2) @ (g1 + g2) / 4
+        ns = state.noise_scale
+        assert int(ns.windows) == 1
+        np.testing.assert_allclose(ns.last_grad_sq, 2 * big - small, rtol=1e-6)
+        np.testing.assert_allclose(ns.last_trace, 2 * (small - big), rtol=1e-6)

@@ -160,6 +160,16 @@ def test_uncalled_skip_large_updates_says_call_it():
 
 
 @pytest.mark.parametrize(
+    "skip_fn", [optax_accum.skip_not_finite, optax_accum.skip_large_updates(1.0)]
+)
+def test_skip_fn_with_data_axes_is_refused_naming_both(skip_fn):
+    # The skip function would read unreduced partial sums (JAX has no rule
+    # for is_finite or square on them): refused where it is given.
+    with pytest.raises(ValueError, match=r"`skip_fn`.*`data_axes`.*one or the other"):
+        optax_accum.accumulate(optax.sgd(1.0), 2, data_axes="data", skip_fn=skip_fn)
+
+
+@pytest.mark.parametrize(
     "make",
     [
         lambda: optax_accum.accumulate(optax.adam, 4),

@@ -402,6 +402,18 @@ def test_bad_input():
         optax_accum.noise_scale(optax_accum.accumulate(sgd, 2).init(jnp.zeros(2)))
 
 
+def test_one_micro_batch_windows_on_one_device_are_refused():
+    # k = 1 on one device measures nothing: B_simple would stay NaN forever.
+    with pytest.raises(ValueError, match=r"`noise_scale_decay`.*`every_k`=1"):
+        optax_accum.accumulate(optax.sgd(0.1), 1, noise_scale_decay=0.9)
+    # With an axis name every device's micro-batch is one of the window's.
+    g = np.arange(8 * 2, dtype=np.float32).reshape(4, 1, 4, 1)  # 4 windows
+    state = _sharded_state(4, 1, g, np.ones((4, 1, 4), np.float32))
+    ns = optax_accum.noise_scale(state)
+    assert int(ns.windows) == 4 and float(ns.b_small) == 1.0
+    assert np.isfinite(float(ns.b_simple))
+
+
 def test_microbatch_matches_accumulate_and_tracks_the_ema():
     k = 4
     params = mlp_params(1)

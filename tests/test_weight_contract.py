@@ -99,7 +99,7 @@ def test_rejected_micro_batch_with_close_window_still_closes_it():
     state = tx.init(params)
     for g in (1.0, 3.0):
         _, state = tx.update(jnp.float32(g), state, params)
-    updates, state = tx.update(
+    updates, state = jax.jit(tx.update)(  # traced: a bad weight is rejected
         jnp.float32(100.0), state, params, weight=jnp.float32(NAN), close_window=True
     )
     assert bool(state.updated) and int(state.num_skipped) == 1
@@ -111,7 +111,7 @@ def test_rejected_micro_batch_with_close_window_on_an_empty_window_does_nothing(
     tx = optax_accum.accumulate(optax.sgd(1.0), 2)
     params = jnp.zeros(())
     state = tx.init(params)
-    updates, state = tx.update(
+    updates, state = jax.jit(tx.update)(
         jnp.float32(5.0), state, params, weight=jnp.float32(-1), close_window=True
     )
     assert not bool(state.updated) and float(updates) == 0.0

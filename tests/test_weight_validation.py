@@ -37,3 +37,28 @@ def test_constant_bad_weight_raises(bad):
     params = {"a": jnp.zeros([])}
     with pytest.raises(ValueError, match="`weight` must be finite and >= 0"):
         tx.update({"a": jnp.float32(1.0)}, tx.init(params), params, weight=bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.nan, 1e39, 1e-40])
+def test_concrete_jax_array_bad_weight_raises_like_a_constant(bad):
+    # Eagerly, a jax.Array's value is known: it raises as the Python value
+    # does (jnp.float32(1e39) is inf). Under jit it is traced and rejected.
+    with np.errstate(over="ignore"):
+        bad = jnp.float32(bad)
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="`weight`"):
+        tx.update({"a": jnp.float32(1.0)}, state, params, weight=bad)
+    _, state = jax.jit(tx.update)({"a": jnp.float32(1.0)}, state, params, weight=bad)
+    # A traced subnormal weight is flushed to 0: weight 0, not a rejection.
+    assert int(state.num_skipped) == (0 if 0 < float(bad) < 1e-38 else 1)
+
+
+def test_concrete_float64_weight_that_overflows_float32_raises():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros([])}
+    with jax.enable_x64(True):
+        state = tx.init(params)
+        with pytest.raises(ValueError, match="overflows float32"):
+            tx.update(params, state, params, weight=jnp.asarray(1e39, jnp.float64))

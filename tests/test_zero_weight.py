@@ -69,6 +69,39 @@ def test_zero_weight_nan_micro_batch_after_a_weighted_one(reduction):
     assert float(u["a"]) == pytest.approx(-expected)
 
 
+@pytest.mark.parametrize(
+    "skip_fn", [None, optax_accum.skip_not_finite, optax_accum.skip_large_updates(10)]
+)
+def test_zero_weight_nan_micro_batch_is_not_judged_by_skip_fn(skip_fn):
+    # Weight 0 is no rejection: the padding micro-batch counts towards k, and
+    # the window closes on the 4th call as without `skip_fn`.
+    tx = optax_accum.accumulate(optax.sgd(1.0), 4, skip_fn=skip_fn)
+    update = jax.jit(tx.update)
+    params = {"a": jnp.zeros(2)}
+    state = tx.init(params)
+    for g, w in [(1.0, 3.0), (2.0, 1.0), (jnp.nan, 0.0), (4.0, 4.0)]:
+        u, state = update({"a": jnp.full(2, g)}, state, params, weight=w)
+    np.testing.assert_array_equal(u["a"], [-21 / 8, -21 / 8])  # -2.625
+    assert optax_accum.has_updated(state) and int(state.num_skipped) == 0
+
+
+def test_zero_weight_nan_device_is_not_judged_by_skip_fn_with_axis_name():
+    n = 4
+    tx = optax_accum.accumulate(
+        optax.sgd(1.0), 2, axis_name="d", skip_fn=optax_accum.skip_not_finite
+    )
+    params = {"a": jnp.zeros((n, 2))}
+    state = jax.pmap(tx.init, axis_name="d")(params)
+    update = jax.pmap(lambda g, s, p, w: tx.update(g, s, p, weight=w), axis_name="d")
+    g = np.ones((n, 2), np.float32)
+    g[1] = np.nan  # device 1 holds only padding
+    w = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+    for _ in range(2):
+        u, state = update({"a": jnp.asarray(g)}, state, params, jnp.asarray(w))
+    np.testing.assert_array_equal(u["a"], -np.ones((n, 2)))
+    np.testing.assert_array_equal(state.num_skipped, 0)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("position", [0, 1, 3])
 def test_microbatch_all_padding_micro_batch_contributes_nothing(position, sharded):

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -191,3 +193,54 @@ def test_skip_fn_agrees_across_devices_with_one_scalar_all_reduce():
     hlo = update.lower({"a": jnp.asarray(g)}, state, rep).compile().as_text()
     inside, outside = _all_reduces(hlo)
     assert (inside, outside) == (1, 1)
+
+
+_SKIP = optax_accum.skip_large_updates(50.0)
+
+
+@functools.cache
+def _skip_large_step(n):
+    """One `update` of SGD(1), k = 1, `skip_large_updates(50)`, on ``n``
+    devices, compiled once: the update and the state."""
+    tx = optax_accum.accumulate(optax.sgd(1.0), 1, axis_name="d", skip_fn=_SKIP)
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
+    params = jnp.zeros(())
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+
+    def step(g, w):
+        u, s = tx.update(g[0], tx.init(params), params, weight=w[0])
+        return u[None], s
+
+    sm = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), specs)
+        )
+    )
+    shard = NamedSharding(mesh, P("d"))
+    put = lambda a: jax.device_put(jnp.asarray(a, jnp.float32), shard)
+    return lambda grads, weights: sm(put(grads), put(weights))
+
+
+@pytest.mark.parametrize(
+    "grads, weights, skipped",
+    [
+        ([60.0, 10.0], [1.0, 1.0], False),  # the micro-batch's 35, not 60
+        ([60.0, 50.0], [1.0, 1.0], True),  # 55
+        ([60.0, 10.0], [4.0, 1.0], False),  # 50: on the bound
+        ([60.0, 10.0], [5.0, 1.0], True),  # 51.7
+        ([40.0, float("nan")], [1.0, 0.0], False),  # padding left out
+    ],
+)
+def test_skip_large_updates_judges_the_micro_batch_gradient_in_both_modes(
+    grads, weights, skipped
+):
+    u, state = _skip_large_step(len(grads))(grads, weights)
+    w = np.asarray(weights)
+    mean = np.sum(np.where(w > 0, w * np.asarray(grads), 0.0)) / np.sum(w)
+    # The global view: one device, the micro-batch's gradient as jax.grad gives it.
+    glob = optax_accum.accumulate(optax.sgd(1.0), 1, skip_fn=_SKIP)
+    g_u, g_state = glob.update(jnp.float32(mean), glob.init(jnp.zeros(())), None)
+    assert bool(g_state.num_skipped) == skipped
+    np.testing.assert_allclose(np.asarray(u), [float(g_u)] * len(grads), rtol=1e-6)
+    np.testing.assert_array_equal(state.num_skipped, int(skipped))
+    np.testing.assert_allclose(state.skip_state["norm"], mean, rtol=1e-6)
