@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The Flax steps, `nnx_train_step` and `linen_train_step`, on a cell.
+
+The model is the linear one of `data` (a single parameter ``w``); each step
+is one optimizer update over k micro-batches. Returns each step's loss, aux
+and parameters, and the tracker with ``noise``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.training import train_state
+
+from optax_accum.flax import linen_train_step, nnx_train_step
+
+from . import data
+from . import runtime as rt
+from .adapt_loop import NOISE_FIELDS, _aux, _options, zero_tracker
+from .cells import Cell
+
+
+class Linear(nnx.Module):
+    def __init__(self, w: jax.Array):
+        self.w = nnx.Param(w)
+
+
+def _nnx(cell: Cell, inputs: data.Inputs):
+    loss = rt.loss(cell)
+    fn = lambda model, c, m: loss({"w": model.w[...]}, c, m)
+    step = rt.cached(
+        (cell.structure(), "nnx"),
+        lambda: nnx.jit(
+            nnx_train_step(fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True))
+        ),
+    )
+    model = Linear(rt.params(cell, inputs.w0)["w"])
+    optimizer = nnx.Optimizer(model, rt.inner(cell), wrt=nnx.Param)
+
+    def call(c, m, key, tracker):
+        del key
+        kw = {"noise_scale": tracker} if tracker is not None else {}
+        out = step(model, optimizer, c, m, **kw)
+        out, tracker = out if tracker is not None else (out, None)
+        return out, model.w[...], tracker
+
+    return call
+
+
+def _linen(cell: Cell, inputs: data.Inputs):
+    loss = rt.loss(cell)
+    rng = cell.option == "rng"
+    fn = lambda p, key, c, m: loss(p, c, m, key if rng else None)
+    step = rt.cached(
+        (cell.structure(), "linen"),
+        lambda: jax.jit(
+            linen_train_step(fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True))
+        ),
+    )
+    state = [
+        train_state.TrainState.create(
+            apply_fn=None, params={"w": rt.params(cell, inputs.w0)["w"]}, tx=rt.inner(cell)
+        )
+    ]
+
+    def call(c, m, key, tracker):
+        kw = {"noise_scale": tracker} if tracker is not None else {}
+        res = step(state[0], c, m, rng=key if rng else None, **kw)
+        state[0] = res[0]
+        return res[1], state[0].params["w"], res[2] if tracker is not None else None
+
+    return call
+
+
+def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
+    with rt.context(cell):
+        call = (_nnx if cell.face == "nnx" else _linen)(cell, inputs)
+        tracker = zero_tracker() if cell.option == "noise" else None
+        steps = []
+        for t in range(len(inputs.m)):
+            c = rt.place(cell, inputs.c[t], rt.JNP_DTYPES[cell.dtype], rows=True)
+            m = rt.place(cell, inputs.m[t], jnp.float32, rows=True)
+            out, w, tracker = call(c, m, data.step_key(cell, t), tracker)
+            value, aux = out if cell.option == "has_aux" else (out, None)
+            step = {"value": float(rt.to_np(value)), "params": np.array(rt.to_np(w))}
+            if aux is not None:
+                step["aux"] = _aux(cell, aux)
+            steps.append(step)
+    out: dict[str, Any] = {"steps": steps}
+    if tracker is not None:
+        out["noise"] = {f: float(getattr(tracker, f)) for f in NOISE_FIELDS}
+    return out

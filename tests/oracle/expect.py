@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The model's answer for a cell, in the shape an adapter returns.
+
+This is where a cell's options become the model's arguments: the skip
+function, the k schedule, ``close_window``, the noise decay; the units come
+from `data.units`. For the fused faces it also computes ``aux`` (stacked per
+micro-batch; per device with ``axis_name``) and, for the Flax steps, the
+parameters after each optimizer update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import data, model
+from .adapt_stream import model_k
+from .cells import Cell
+from .runtime import DECAY
+
+
+def _skip(cell: Cell) -> Any:
+    if cell.option == "skip_fn":
+        return model.skip_not_finite
+    if cell.option == "skip_large":
+        return model.skip_large_updates(data.MAX_NORM)
+    return None
+
+
+def stream(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
+    calls = [data.units(cell, inputs, t, inputs.w0) for t in range(len(inputs.m))]
+    decay = DECAY if cell.option == "noise" else None
+    out = model.run_stream(
+        calls,
+        model_k(cell),
+        cell.reduction == "mean",
+        model.INNER[cell.inner](),
+        skip=_skip(cell),
+        close=list(inputs.close),
+        mapped=cell.mode == "axis_name",
+        decay=decay,
+    )
+    result = {"updates": out.updates, "updated": out.updated}
+    result["num_skipped"] = out.num_skipped if cell.face == "accumulate" else None
+    if decay is not None:
+        result["noise"] = model.noise_read(out.noise)
+    return result
+
+
+def loop(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
+    """Per call: value, gradient, aux; the noise tracker; Flax: parameters."""
+    mean = cell.reduction == "mean"
+    decay = DECAY if cell.option == "noise" else None
+    noise = model.Noise() if decay is not None else None
+    inner = model.INNER[cell.inner]()
+    w, state = inputs.w0.copy(), inner.init(inputs.w0.shape)
+    steps = []
+    for t in range(len(inputs.m)):
+        out = model.run_loop(data.units(cell, inputs, t, w), mean, noise, decay)
+        noise = out.noise
+        step = {"value": out.value, "grad": out.grad}
+        if cell.option == "has_aux":
+            step["aux"] = aux(cell, inputs, t, w)
+        if cell.face in ("nnx", "linen"):
+            u, state = inner.update(out.grad, state)
+            w = w + u
+            step["params"] = w.copy()
+            del step["grad"]
+        steps.append(step)
+    result: dict[str, Any] = {"steps": steps}
+    if noise is not None:
+        result["noise"] = noise._asdict()
+    return result
+
+
+def aux(cell: Cell, inputs: data.Inputs, t: int, w: np.ndarray) -> dict[str, Any]:
+    """``fun``'s aux per micro-batch: its token-mean features and per-row
+    losses; entries of a micro-batch whose weight is not positive are
+    unspecified in the device-local mode (``defined`` false)."""
+    c, m = inputs.c[t], inputs.m[t]
+    n = len(m)
+    dev = np.arange(n) // (n // cell.devices)
+    mb = np.arange(n) % cell.k
+    groups = range(cell.devices) if cell.mode == "axis_name" else [None]
+    feats, rows, defined = [], [], []
+    for d in groups:
+        f_d, r_d, ok_d = [], [], []
+        for i in range(cell.k):
+            sel = (mb == i) & (True if d is None else dev == d)
+            cm, mm = c[sel], m[sel]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                f_d.append((mm @ cm) / mm.sum())
+            r_d.append(cm @ w)
+            ok = all(model.usable(x) for x in mm) and mm.sum() > 0
+            ok_d.append(ok or cell.mode != "data_axes")
+        feats.append(f_d)
+        rows.append(r_d)
+        defined.append(ok_d)
+    pick = (lambda x: np.array(x)) if d is not None else (lambda x: np.array(x[0]))
+    return {"feat": pick(feats), "rows": pick(rows), "defined": pick(defined)}

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Cells that today's code gets wrong: one registry, predicate -> defect.
+
+Each entry marks the cells it matches ``xfail(strict=True)``: when the fix
+lands, the cell passes, the strict xfail turns into a failure, and the entry
+is deleted. Labels ``"issue 20 defect N"`` are the defects of issue 20
+(section 2; ``0`` is section 1, a value-and-grad ``fun``'s own gradients);
+``"oracle-N"`` are disagreements the oracle found beyond them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from . import table
+from .cells import ROWS, Cell
+
+
+class Known(NamedTuple):
+    label: str
+    description: str
+    matches: Callable[[Cell], bool]
+
+
+_FUSED = ("microbatch", "nnx", "linen")  # the loss face is not judged yet
+_SKIPS = ("skip_fn", "skip_large")
+
+
+def _refused(c: Cell) -> bool:
+    return bool(table.refusals(c))
+
+
+KNOWN: tuple[Known, ...] = (
+    Known(
+        "issue 20 defect 12",
+        "microbatch(k=1, noise_scale_decay=...) without axis_name is not refused",
+        lambda c: c.face in _FUSED
+        and c.k == 1
+        and c.option == "noise"
+        and c.reduction == "mean"
+        and c.mode != "axis_name",
+    ),
+    Known(
+        "issue 20 defect 0",
+        "weight_fn in the global view differentiates share * value: fun's own "
+        "(clipped) gradients are dropped",
+        lambda c: c.face == "microbatch"
+        and c.option == "clip"
+        and c.weighted
+        and c.k >= 2
+        and c.mode in ("single", "global")
+        and c.dtype in ("f32", "f64"),
+    ),
+    Known(
+        "issue 20 defect 1",
+        "k = 1 ignores weight_fn outside axis_name",
+        lambda c: c.face in _FUSED
+        and c.k == 1
+        and c.mode != "axis_name"
+        and c.weighted
+        and (c.reduction == "sum" or c.weights in ("zeros", "nan", "negative"))
+        and not _refused(c),
+    ),
+    Known(
+        "issue 20 defect 2",
+        "an fp16 buffer overflows in the reduction over devices",
+        lambda c: c.mode == "axis_name"
+        and c.dtype == "f16"
+        and c.acc == "none"
+        and c.magnitude == "large",
+    ),
+    Known(
+        "issue 20 defect 4",
+        "device-local aux leaves are taken for rows when their length is the "
+        "rows per device",
+        lambda c: c.mode == "data_axes" and c.option == "has_aux" and c.dim == ROWS,
+    ),
+    Known(
+        "issue 20 defect 5",
+        "float0 gradients crash microbatch with k >= 2",
+        lambda c: c.face == "microbatch" and c.option == "float0" and c.k >= 2,
+    ),
+    Known(
+        "issue 20 defect 9",
+        "data_axes with skip_fn (accumulate, MultiSteps) or noise_scale_decay "
+        "(MultiSteps) fails at trace time",
+        lambda c: c.stream
+        and c.mode == "data_axes"
+        and (
+            (c.option in _SKIPS and not _refused(c))
+            or (c.face == "multisteps" and c.option == "noise" and c.reduction == "mean")
+        ),
+    ),
+    Known(
+        "issue 20 defect 6",
+        "skip_fn rejects a weight-0 micro-batch whose gradient is NaN",
+        lambda c: c.face == "accumulate"
+        and c.option in _SKIPS
+        and c.weights == "zeros"
+        and c.mode != "data_axes",
+    ),
+    Known(
+        "issue 20 defect 8",
+        "reduction='sum' with data_axes and no weight_fn is devices times the "
+        "global view",
+        lambda c: c.face in _FUSED
+        and c.mode == "data_axes"
+        and c.reduction == "sum"
+        and not c.weighted
+        and c.k >= 2
+        and not _refused(c),
+    ),
+    Known(
+        "issue 20 defect 10",
+        "skip_large_updates under axis_name judges each device's gradient",
+        lambda c: c.face == "accumulate"
+        and c.mode == "axis_name"
+        and c.option == "skip_large",
+    ),
+    Known(
+        "issue 20 defect 11",
+        "has_updated(MultiStepsState) is True after a rejected mini-step",
+        lambda c: c.face == "multisteps" and c.option in _SKIPS and c.nan_grad,
+    ),
+    Known(
+        "issue 20 defect 13",
+        "a concrete jax.Array weight that is negative is silently rejected",
+        lambda c: c.eager and c.weights in ("nan", "negative"),
+    ),
+    Known(
+        "issue 20 defect 14",
+        "microbatch's plain bf16 sum loses the mean at large k",
+        lambda c: c.face in _FUSED
+        and c.dtype == "bf16"
+        and c.acc == "none"
+        and c.k >= 64,
+    ),
+)
+
+
+def defect(cell: Cell) -> Known | None:
+    """The first registry entry that matches ``cell``, if any."""
+    return next((k for k in KNOWN if k.matches(cell)), None)
