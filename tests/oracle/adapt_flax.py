@@ -36,7 +36,9 @@ def _nnx(cell: Cell, inputs: data.Inputs):
     step = rt.cached(
         (cell.structure(), "nnx"),
         lambda: nnx.jit(
-            nnx_train_step(fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True))
+            nnx_train_step(
+                fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True)
+            )
         ),
     )
     model = Linear(rt.params(cell, inputs.w0)["w"])
@@ -59,12 +61,16 @@ def _linen(cell: Cell, inputs: data.Inputs):
     step = rt.cached(
         (cell.structure(), "linen"),
         lambda: jax.jit(
-            linen_train_step(fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True))
+            linen_train_step(
+                fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True)
+            )
         ),
     )
     state = [
         train_state.TrainState.create(
-            apply_fn=None, params={"w": rt.params(cell, inputs.w0)["w"]}, tx=rt.inner(cell)
+            apply_fn=None,
+            params={"w": rt.params(cell, inputs.w0)["w"]},
+            tx=rt.inner(cell),
         )
     ]
 

@@ -101,7 +101,9 @@ def _compiled(cell: Cell, params):
     if cell.mode != "axis_name":
         return jax.jit(tx.init), jax.jit(step)
     specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), rt.AXIS)
-    smap = lambda f, i, o: jax.jit(jax.shard_map(f, mesh=rt.mesh(), in_specs=i, out_specs=o))
+    smap = lambda f, i, o: jax.jit(
+        jax.shard_map(f, mesh=rt.mesh(), in_specs=i, out_specs=o)
+    )
     init = smap(tx.init, (P(),), specs)
     row = P(rt.AXIS)
     return init, smap(step, (P(), specs, row, row, P()), (P(), specs, P()))
@@ -111,7 +113,9 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     """The face on the cell's calls: updates, flags, skips, noise scale."""
     with rt.context(cell):
         params = rt.params(cell, inputs.w0)
-        init, step = rt.cached((cell.structure(), "stream"), lambda: _compiled(cell, params))
+        init, step = rt.cached(
+            (cell.structure(), "stream"), lambda: _compiled(cell, params)
+        )
         state = init(params)
         ups, flags = [], []
         for t in range(len(inputs.m)):

@@ -70,7 +70,14 @@ class Cell:
     magnitude: str = "unit"  # "large": fp16-sized values and weights
     dim: int = 3  # parameter size (defect 4 sets it to ROWS)
     eager: bool = False  # accumulate called outside jit (concrete weights)
+    int_param: bool = False  # an integer parameter besides another option
+    bad_device: bool = False  # the bad pattern on device 0's rows only
     seed: int = 0
+
+    @property
+    def float0(self) -> bool:
+        """Whether the parameters hold an integer leaf (a float0 gradient)."""
+        return self.option == "float0" or self.int_param
 
     @property
     def devices(self) -> int:
@@ -98,6 +105,8 @@ class Cell:
             self.inner,
             self.dim,
             self.eager,
+            self.int_param,
+            self.bad_device,
         )
 
     def id(self) -> str:
@@ -108,6 +117,8 @@ class Cell:
                 ("large", self.magnitude == "large"),
                 (f"dim{self.dim}", self.dim != 3),
                 ("eager", self.eager),
+                ("int", self.int_param),
+                ("baddev", self.bad_device),
                 (f"s{self.seed}", self.seed),
             )
             if on

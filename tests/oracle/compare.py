@@ -44,14 +44,18 @@ def rtol(cell: Cell) -> float:
     return max(FLOOR[cell.dtype], float(tol))
 
 
-def close(got: Any, want: Any, tol: float, what: str) -> None:
+def close(got: Any, want: Any, tol: float, what: str, scale: float = 0.0) -> None:
     """NaN where the model has NaN, infinities of the same sign, the rest
-    within ``tol`` (relative, and absolute on the array's scale)."""
+    within ``tol`` (relative, and absolute on the array's scale, or on
+    ``scale`` if larger: the size of the terms that a sum cancelled)."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape}, model {want.shape}"
     nan_g, nan_w = np.isnan(got), np.isnan(want)
-    assert (nan_g == nan_w).all(), f"{what}: NaN at {np.argwhere(nan_g != nan_w)[:4].tolist()}: got {got}, model {want}"
+    assert (nan_g == nan_w).all(), (
+        f"{what}: NaN where the model has none, or none where it has: "
+        f"got {got}, model {want}"
+    )
     inf_w = np.isinf(want)
     assert (got[inf_w] == want[inf_w]).all() and not np.isinf(got[~inf_w]).any(), (
         f"{what}: infinities differ: got {got}, model {want}"
@@ -59,7 +63,7 @@ def close(got: Any, want: Any, tol: float, what: str) -> None:
     fin = np.isfinite(want)
     if not fin.any():
         return
-    scale = np.max(np.abs(want[fin])) or 1.0
+    scale = max(float(np.max(np.abs(want[fin]))), scale) or 1.0
     err = np.abs(got[fin] - want[fin])
     bound = tol * (scale + np.abs(want[fin]))
     worst = float(np.max(err / np.maximum(bound, 1e-300)))
@@ -72,7 +76,8 @@ def check(cell: Cell, got: dict, want: dict) -> None:
     tol = rtol(cell)
     if cell.stream:
         assert list(got["updated"]) == list(want["updated"]), (
-            f"has_updated: got {got['updated'].astype(int)}, model {want['updated'].astype(int)}"
+            f"has_updated: got {got['updated'].astype(int)}, "
+            f"model {want['updated'].astype(int)}"
         )
         close(got["updates"], want["updates"], tol, "updates")
         if want["num_skipped"] is not None:
@@ -81,13 +86,20 @@ def check(cell: Cell, got: dict, want: dict) -> None:
             )
     else:
         for t, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
-            for key in ("value", "grad", "params"):
+            scale = np.nan_to_num(w["value_scale"])
+            close(g["value"], w["value"], tol, f"call {t}: value", scale)
+            for key in ("grad", "params"):
                 if key in w:
                     close(g[key], w[key], tol, f"call {t}: {key}")
             if "aux" in w:
                 ok = w["aux"]["defined"]
                 for leaf in ("feat", "rows"):
-                    close(g["aux"][leaf][ok], w["aux"][leaf][ok], tol, f"call {t}: aux {leaf}")
+                    close(
+                        g["aux"][leaf][ok],
+                        w["aux"][leaf][ok],
+                        tol,
+                        f"call {t}: aux {leaf}",
+                    )
     if "noise" in want:
         _noise(got["noise"], want["noise"], tol)
 

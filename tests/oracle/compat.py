@@ -2,10 +2,12 @@
 # Copyright 2026 The optax_accum Authors.
 """The docs' compatibility table, rendered from `table` (the tests' own).
 
-For each face (rows) and device mode (columns), which options work: an
-option is listed as refused where `table.REFUSED` refuses it for every cell
-of that face and mode, as conditional where it refuses it for some (the
-note says which), and is absent where it does not apply.
+One row per face and option, one column per device mode. An entry is "yes"
+where no rule of `table.REFUSED` refuses it, "refused" where one refuses it
+whatever the other variables, and "yes (condition)" where rules refuse some
+values of the other variables (their ``short`` condition); a row or mode the
+oracle does not drive is "—". Options are judged without weights; the
+"weights" row judges weights with no option.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from .cells import FACES, MODES, VARIABLES, Cell
 FACE_NAMES = {
     "accumulate": "`accumulate`",
     "multisteps": "`MultiSteps`",
-    "microbatch": "`microbatch` (value-and-grad `fun`)",
-    "loss": "`microbatch_value_and_grad` (loss)",
-    "nnx": "`flax.nnx_train_step`",
-    "linen": "`flax.linen_train_step`",
+    "microbatch": "`microbatch`",
+    "loss": "`microbatch_value_and_grad`",
+    "nnx": "`nnx_train_step`",
+    "linen": "`linen_train_step`",
 }
 MODE_NAMES = {
     "single": "one device",
-    "global": "global view (8 devices)",
-    "axis_name": "`axis_name` (shard_map)",
+    "global": "global view",
+    "axis_name": "`axis_name`",
     "data_axes": "`data_axes`",
 }
 OPTION_NAMES = {
@@ -36,63 +38,48 @@ OPTION_NAMES = {
     "noise": "`noise_scale_decay`",
     "has_aux": "`has_aux`",
     "rng": "`rng_argnums`",
-    "float0": "integer params (`float0`)",
+    "float0": "integer parameters",
     "close": "`close_window`",
-    "schedule": "k schedule",
-    "clip": "`fun` post-processes grads",
-    "weights": "weights",
+    "schedule": "a schedule of k",
+    "clip": "`fun` that edits its gradients",
 }
-_REST = ("reduction", "weights", "k", "dtype", "acc", "inner")
+_REST = ("reduction", "k", "dtype", "acc", "inner")
 
 
-def _cells(face: str, mode: str, option: str):
-    for values in itertools.product(*(VARIABLES[v] for v in _REST)):
-        yield Cell(face, mode, option=option, **dict(zip(_REST, values, strict=True)))
+def _cells(face: str, mode: str, option: str, weights: tuple[str, ...]):
+    for values in itertools.product(weights, *(VARIABLES[v] for v in _REST)):
+        row = dict(zip(("weights", *_REST), values, strict=True))
+        cell = Cell(face, mode, option=option, **row)
+        if table.applicable(cell):
+            yield cell
 
 
-def _status(face: str, mode: str, option: str) -> str:
-    cells = [c for c in _cells(face, mode, option) if table.applicable(c)]
+def status(face: str, mode: str, option: str, weighted: bool = False) -> str:
+    """ "yes", "refused", "yes (conditions)", or "" (not applicable)."""
+    weights = VARIABLES["weights"][1:] if weighted else ("none",)
+    cells = list(_cells(face, mode, option, weights))
     if not cells:
         return ""
-    refused = [c for c in cells if table.refusal(c) is not None]
-    if not refused:
+    refused = [table.refusal(c) for c in cells]
+    if not any(refused):
         return "yes"
-    if len(refused) == len(cells):
+    if all(refused):
         return "refused"
-    reasons = sorted({table.refusal(c).why for c in refused})
-    return "yes, except: " + "; ".join(reasons)
-
-
-def _weights(face: str, mode: str) -> str:
-    cells = [c for c in _cells(face, mode, "none") if table.applicable(c)]
-    if not cells:
-        return ""
-    weighted = [c for c in cells if c.weighted]
-    refused = [c for c in weighted if table.refusal(c) is not None]
-    return "refused" if refused and len(refused) == len(weighted) else "yes"
+    return "yes (" + ", ".join(sorted({r.short for r in refused if r})) + ")"
 
 
 def markdown() -> str:
-    """A Markdown table: one row per face, one column per mode; each cell
-    lists the options that work there (and how the others are refused)."""
-    head = "| face | " + " | ".join(MODE_NAMES[m] for m in MODES) + " |"
-    lines = [head, "|" + " --- |" * (len(MODES) + 1)]
+    """The table, in Markdown."""
+    head = "| face | option | " + " | ".join(MODE_NAMES[m] for m in MODES) + " |"
+    lines = [head, "|" + " --- |" * (len(MODES) + 2)]
     for face in FACES:
-        row = [FACE_NAMES[face]]
-        for mode in MODES:
-            row.append(_entry(face, mode))
-        lines.append("| " + " | ".join(row) + " |")
+        rows = [(OPTION_NAMES[o], o, False) for o in VARIABLES["option"]]
+        rows.append(("weights", "none", True))
+        for name, option, weighted in rows:
+            entries = [status(face, m, option, weighted) for m in MODES]
+            if any(entries):
+                cells = [e or "—" for e in entries]
+                lines.append(
+                    f"| {FACE_NAMES[face]} | {name} | " + " | ".join(cells) + " |"
+                )
     return "\n".join(lines) + "\n"
-
-
-def _entry(face: str, mode: str) -> str:
-    parts = []
-    for option in VARIABLES["option"]:
-        status = _status(face, mode, option)
-        if status:
-            parts.append(f"{OPTION_NAMES[option]}: {status}")
-    if not parts:
-        return "not covered"
-    weights = _weights(face, mode)
-    parts.append(f"{OPTION_NAMES['weights']}: {weights}")
-    return "<br>".join(parts)

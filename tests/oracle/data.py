@@ -8,8 +8,10 @@ for a key's uniform draw ``u`` with the ``rng`` option), so its gradient is
 ``sum_r m_r c_r / sum_r m_r (+ u)``, exactly, whatever ``w`` is. With
 weights, a micro-batch weighs ``sum_r m_r`` (the token count). Values are
 multiples of 1/8 (exact in every dtype); one micro-batch, the *bad* one,
-carries the pattern of the cell's ``weights`` (0, NaN or -1 on all its rows)
-and, with ``nan_grad``, NaN rows.
+carries the pattern of the cell's ``weights`` (0, NaN or -1 on all its rows,
+or with ``bad_device`` on device 0's rows only) and, with ``nan_grad``, NaN
+rows. In a stream it is the first call of the second window, or with
+``close`` the last call, which closes the window.
 
 Rows of a call (`accumulate`) or of a batch (`microbatch`) are laid out as
 the devices hold them: row ``r`` is on device ``r // (rows / devices)``, and
@@ -65,13 +67,17 @@ def build(cell: Cell) -> Inputs:
     n, r, d = calls(cell), rows(cell), cell.dim
     base = np.resize(np.array([1.0, -0.5, 0.75]), d)
     c = base + rng.integers(-6, 7, size=(n, r, d)) / 8
-    m = rng.integers(1, 4, size=(n, r)).astype(np.float64)
+    # Token counts in eighths: a sum of them stays small enough for Adam's
+    # squared gradient in float16 (optax runs it in the parameters' dtype).
+    m = rng.integers(1, 4, size=(n, r)) / 8
     scale = 4096.0 if cell.magnitude == "large" else 1.0
     c, m = c * scale, m * (256.0 if scale > 1 else 1.0)
-    if cell.stream:
-        bad = (min(cell.k, n - 1), np.ones(r, bool))
+    if cell.stream:  # the first call of the second window, or the closing one
+        bad = (n - 1 if cell.option == "close" else cell.k, np.ones(r, bool))
     else:
         bad = (0, np.arange(r) % cell.k == cell.k - 1)
+    if cell.bad_device:
+        bad = (bad[0], bad[1] & (np.arange(r) < r // cell.devices))
     t, mask = bad
     pattern = {"zeros": 0.0, "nan": np.nan, "negative": -1.0}.get(cell.weights)
     if pattern is not None:
@@ -126,7 +132,11 @@ def _unit(cell, c, m, w, u, share) -> Unit:
         grad = np.clip(grad, -CLIP, CLIP)
     weight = float(total) if cell.weighted else share
     noise = admitted(weight) if (cell.weighted or cell.stream) else float(len(m))
-    return Unit(grad, weight, noise, float(value))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = (np.abs(m) @ np.abs(c @ w)) / abs(total)
+    if u is not None:
+        scale = scale + np.abs(u) @ np.abs(w)
+    return Unit(grad, weight, noise, float(value), float(np.nan_to_num(scale)))
 
 
 def units(cell: Cell, inputs: Inputs, t: int, w: np.ndarray) -> list[Unit]:

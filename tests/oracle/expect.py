@@ -60,7 +60,7 @@ def loop(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     for t in range(len(inputs.m)):
         out = model.run_loop(data.units(cell, inputs, t, w), mean, noise, decay)
         noise = out.noise
-        step = {"value": out.value, "grad": out.grad}
+        step = {"value": out.value, "grad": out.grad, "value_scale": out.value_scale}
         if cell.option == "has_aux":
             step["aux"] = aux(cell, inputs, t, w)
         if cell.face in ("nnx", "linen"):

@@ -75,14 +75,17 @@ def _complete(cells: list[dict]) -> list[dict]:
         (a, va), (b, vb) = min(missing, key=repr)
         row = {a: va, b: vb}
         for var in VARIABLES:
-            if var in row:
-                continue
-            gain = lambda v, var=var: len(_pairs({**row, var: v}) & missing)
-            ok = [v for v in VARIABLES[var] if _admissible_row({**row, var: v})]
-            row[var] = max(ok, key=gain)
+            if var not in row:
+                row[var] = _best_value(row, var, missing)
         cells.append(row)
         missing -= _pairs(row)
     return cells
+
+
+def _best_value(row: dict, var: str, missing: set) -> object:
+    """The admissible value of ``var`` that covers most missing pairs."""
+    ok = [v for v in VARIABLES[var] if _admissible_row({**row, var: v})]
+    return max(ok, key=lambda v: len(_pairs({**row, var: v}) & missing))
 
 
 @functools.cache
@@ -106,15 +109,67 @@ EXPLICIT = (
     _c("microbatch", "global", "sum", "counts", 1, "f32", "promote", "none"),
     _c("microbatch", "single", "mean", "zeros", 1, "f32", "promote", "none"),
     # 2: an fp16 buffer overflows in the reduction over devices.
-    _c("accumulate", "axis_name", "mean", "counts", 2, "f16", "none", "none", magnitude="large"),
-    _c("microbatch", "axis_name", "mean", "none", 8, "f16", "none", "none", magnitude="large"),
+    _c(
+        "accumulate",
+        "axis_name",
+        "mean",
+        "counts",
+        2,
+        "f16",
+        "none",
+        "none",
+        magnitude="large",
+    ),
+    _c(
+        "microbatch",
+        "axis_name",
+        "mean",
+        "none",
+        8,
+        "f16",
+        "none",
+        "none",
+        magnitude="large",
+    ),
     # 4: device-local aux guessed row-wise by its shape.
-    _c("microbatch", "data_axes", "mean", "none", 2, "f32", "promote", "has_aux", dim=2),
+    _c(
+        "microbatch", "data_axes", "mean", "none", 2, "f32", "promote", "has_aux", dim=2
+    ),
     # 5: float0 gradients with k >= 2, with the noise scale, skip_large_updates.
     _c("microbatch", "single", "mean", "none", 2, "f32", "promote", "float0"),
     _c("accumulate", "single", "mean", "none", 2, "f32", "promote", "float0"),
+    _c(
+        "accumulate",
+        "single",
+        "mean",
+        "none",
+        2,
+        "f32",
+        "promote",
+        "noise",
+        int_param=True,
+    ),
+    _c(
+        "accumulate",
+        "single",
+        "mean",
+        "none",
+        2,
+        "f32",
+        "promote",
+        "skip_large",
+        int_param=True,
+    ),
     # 6: skip_fn rejects a weight-0 micro-batch whose gradient is NaN.
     _c("accumulate", "single", "mean", "zeros", 3, "f32", "promote", "skip_fn"),
+    # oracle-1: the noise scale with float64 gradients.
+    _c("accumulate", "single", "mean", "none", 2, "f64", "promote", "noise"),
+    _c("multisteps", "global", "mean", "none", 3, "f64", "none", "noise"),
+    _c("microbatch", "single", "mean", "none", 2, "f64", "promote", "noise"),
+    # oracle-2: k = 1 and rng_argnums.
+    _c("microbatch", "single", "mean", "none", 1, "f32", "promote", "rng"),
+    _c("microbatch", "data_axes", "mean", "none", 1, "f32", "promote", "rng"),
+    _c("linen", "single", "mean", "none", 1, "f32", "promote", "rng"),
     # 8: data_axes sum without weights.
     _c("microbatch", "data_axes", "sum", "none", 2, "f32", "promote", "none"),
     # 9: data_axes with skip_fn (accumulate), noise (MultiSteps).
@@ -124,11 +179,31 @@ EXPLICIT = (
     # 10: skip_large_updates per device under axis_name.
     _c("accumulate", "axis_name", "mean", "none", 2, "f32", "promote", "skip_large"),
     # 11: MultiSteps' has_updated after a rejected mini-step.
-    _c("multisteps", "single", "mean", "none", 2, "f32", "promote", "skip_fn", nan_grad=True),
+    _c(
+        "multisteps",
+        "single",
+        "mean",
+        "none",
+        2,
+        "f32",
+        "promote",
+        "skip_fn",
+        nan_grad=True,
+    ),
     # 12: microbatch k = 1 with the noise scale and no axis_name.
     _c("microbatch", "single", "mean", "none", 1, "f32", "promote", "noise"),
     # 13: a concrete negative weight.
-    _c("accumulate", "single", "mean", "negative", 2, "f32", "promote", "none", eager=True),
+    _c(
+        "accumulate",
+        "single",
+        "mean",
+        "negative",
+        2,
+        "f32",
+        "promote",
+        "none",
+        eager=True,
+    ),
     # 14: a bf16 buffer at k = 1024 on both faces.
     _c("microbatch", "single", "mean", "none", 1024, "bf16", "none", "none"),
     _c("accumulate", "single", "mean", "none", 1024, "bf16", "none", "none"),

@@ -37,6 +37,7 @@ class Unit(NamedTuple):
     weight: float  # the reduction weight, as given (may be bad)
     noise_weight: float  # its unit for the noise scale (rows or the weight)
     value: float = 0.0
+    scale: float = 0.0  # the size of the terms of ``value`` (for tolerances)
 
 
 def usable(w: float) -> bool:
@@ -217,6 +218,7 @@ class Loop(NamedTuple):
     value: float
     grad: np.ndarray
     noise: Noise | None
+    value_scale: float  # the value's terms' size: its rounding is relative to it
 
 
 def run_loop(units: list[Unit], mean: bool, noise: Noise | None, decay: float | None):
@@ -224,7 +226,8 @@ def run_loop(units: list[Unit], mean: bool, noise: Noise | None, decay: float | 
     g, v, _ = reduce(units, mean)
     if noise is not None:
         noise = noise_close(noise, units, g, decay)
-    return Loop(v, g, noise)
+    scale = reduce([u._replace(value=u.scale) for u in units], mean)[1]
+    return Loop(v, g, noise, scale)
 
 
 def skip_not_finite(g: np.ndarray) -> bool:

@@ -61,7 +61,7 @@ def place(cell: Cell, x: np.ndarray, dtype: Any, rows: bool) -> jax.Array:
 
 def params(cell: Cell, w0: np.ndarray) -> dict:
     p = {"w": place(cell, w0, JNP_DTYPES[cell.dtype], rows=False)}
-    if cell.option == "float0":  # an integer parameter: its gradient is float0
+    if cell.float0:  # an integer parameter: its gradient is float0
         p["n"] = place(cell, np.int32(3), jnp.int32, rows=False)
     return p
 
@@ -70,7 +70,7 @@ def inner(cell: Cell) -> optax.GradientTransformation:
     """SGD or Adam; with an integer parameter, masked off its float0
     gradient (as optax needs; `accumulate` passes it through)."""
     tx = optax.sgd(0.5) if cell.inner == "sgd" else optax.adam(0.1)
-    if cell.option == "float0":
+    if cell.float0:
         tx = optax.masked(tx, {"w": True, "n": False})
     return tx
 

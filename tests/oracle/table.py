@@ -27,10 +27,11 @@ class Rule(NamedTuple):
     when: dict  # variable -> allowed values
     names: tuple[str, ...]  # what the refusal's message must name
     why: str
+    short: str = ""  # the condition, as the docs' table says it
 
 
-def _rule(names: tuple[str, ...], why: str, **when) -> Rule:
-    return Rule(when, names, why)
+def _rule(names: tuple[str, ...], why: str, short: str = "", **when) -> Rule:
+    return Rule(when, names, why, short)
 
 
 NOT_APPLICABLE = (
@@ -41,10 +42,21 @@ NOT_APPLICABLE = (
         face=LOOP_FACES,
         option=("skip_fn", "skip_large", "close", "schedule"),
     ),
-    _rule((), "the value-and-grad face only", face=("loss", "nnx", "linen"), option=("clip",)),
+    _rule(
+        (),
+        "the value-and-grad face only",
+        face=("loss", "nnx", "linen"),
+        option=("clip",),
+    ),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
     _rule((), "nnx keys come from nnx.Rngs", face=("nnx",), option=("rng",)),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), mode=("axis_name",)),
+    _rule(
+        (),
+        "data_axes declares fun row-independent; a clipped gradient is not",
+        option=("clip",),
+        mode=("data_axes",),
+    ),
 )
 
 REFUSED = (
@@ -54,10 +66,16 @@ REFUSED = (
         face=("multisteps",),
         weights=("counts", "zeros", "nan", "negative"),
     ),
-    _rule(("axis_name",), "no axis_name argument", face=("multisteps",), mode=("axis_name",)),
+    _rule(
+        ("axis_name",),
+        "no axis_name argument",
+        face=("multisteps",),
+        mode=("axis_name",),
+    ),
     _rule(
         ("noise_scale_decay", "reduction"),
         "the noise scale needs mean gradients",
+        "mean only",
         reduction=("sum",),
         option=("noise",),
     ),
@@ -71,6 +89,7 @@ REFUSED = (
     _rule(
         ("noise_scale_decay", "num_microbatches"),
         "one micro-batch on one device measures nothing",
+        "k ≥ 2",
         face=LOOP_FACES,
         mode=("single", "global", "data_axes"),
         k=(1,),
