@@ -67,7 +67,9 @@ class Cell:
     option: str
     inner: str = "sgd"
     nan_grad: bool = False  # one micro-batch's rows hold NaN (finite weight)
-    magnitude: str = "unit"  # "large": fp16-sized values and weights
+    # "large": fp16-sized values and weights; "heavy", "light": weights
+    # scaled by 2**100 or 2**-100 (honoured, the weight contract says).
+    magnitude: str = "unit"
     dim: int = 3  # parameter size (defect 4 sets it to ROWS)
     eager: bool = False  # accumulate called outside jit (concrete weights)
     int_param: bool = False  # an integer parameter besides another option
@@ -114,7 +116,7 @@ class Cell:
             s
             for s, on in (
                 ("nangrad", self.nan_grad),
-                ("large", self.magnitude == "large"),
+                (self.magnitude, self.magnitude != "unit"),
                 (f"dim{self.dim}", self.dim != 3),
                 ("eager", self.eager),
                 ("int", self.int_param),

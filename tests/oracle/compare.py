@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .cells import Cell
+from .data import NP_DTYPES
 
 EPS = {"f32": 2.0**-24, "bf16": 2.0**-9, "f16": 2.0**-11, "f64": 2.0**-53}
 FLOOR = {"f32": 1e-5, "f64": 1e-12, "bf16": 0.0, "f16": 0.0}
@@ -72,8 +73,24 @@ def close(got: Any, want: Any, tol: float, what: str, scale: float = 0.0) -> Non
     )
 
 
+def _rounded(cell: Cell, want: dict) -> dict:
+    """The model's results in the gradients' dtype, where the face returns
+    them: a sum that overflows it is the sum asked for."""
+    dtype = NP_DTYPES[cell.dtype]
+    cast = lambda x: np.asarray(x, np.float64).astype(dtype).astype(np.float64)
+    if cell.stream:
+        return {**want, "updates": cast(want["updates"])}
+    steps = [
+        {k: cast(v) if k in ("value", "grad", "params") else v for k, v in s.items()}
+        for s in want["steps"]
+    ]
+    return {**want, "steps": steps}
+
+
 def check(cell: Cell, got: dict, want: dict) -> None:
     tol = rtol(cell)
+    with np.errstate(over="ignore"):
+        want = _rounded(cell, want)
     if cell.stream:
         assert list(got["updated"]) == list(want["updated"]), (
             f"has_updated: got {got['updated'].astype(int)}, "

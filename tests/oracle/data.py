@@ -70,8 +70,9 @@ def build(cell: Cell) -> Inputs:
     # Token counts in eighths: a sum of them stays small enough for Adam's
     # squared gradient in float16 (optax runs it in the parameters' dtype).
     m = rng.integers(1, 4, size=(n, r)) / 8
-    scale = 4096.0 if cell.magnitude == "large" else 1.0
-    c, m = c * scale, m * (256.0 if scale > 1 else 1.0)
+    if cell.magnitude == "large":
+        c, m = c * 4096.0, m * 256.0
+    m = m * {"heavy": 2.0**100, "light": 2.0**-100}.get(cell.magnitude, 1.0)
     if cell.stream:  # the first call of the second window, or the closing one
         bad = (n - 1 if cell.option == "close" else cell.k, np.ones(r, bool))
     else:

@@ -115,8 +115,13 @@ KNOWN: tuple[Known, ...] = (
         "float0 gradients crash microbatch with k >= 2, accumulate with the "
         "noise scale, skip_large_updates",
         lambda c: (
-            (c.face == "microbatch" and c.float0 and c.k >= 2)
-            or (c.stream and c.float0 and c.option in ("noise", "skip_large"))
+            (c.face == "microbatch" and c.float0 and c.k >= 2 and c.acc != "f32")
+            or (
+                c.stream
+                and c.float0
+                and c.option in ("noise", "skip_large")
+                and not _refused(c)
+            )
         ),
     ),
     Known(

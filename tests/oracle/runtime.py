@@ -77,18 +77,22 @@ def inner(cell: Cell) -> optax.GradientTransformation:
 
 def loss(cell: Cell) -> Callable:
     """The token-mean loss of `data`; with ``has_aux`` also the micro-batch's
-    feature mean and per-row losses; with ``rng`` a key's draw added."""
+    feature mean and per-row losses; with ``rng`` a key's draw added.
+
+    The token weights stay float32 (they may be 2**±100) and the mean is
+    taken in at least float32, then cast to the parameters' dtype, as a
+    mixed-precision loss does."""
 
     def fn(p, c, m, key=None):
-        mm = m.astype(c.dtype)
+        wide = jnp.promote_types(c.dtype, jnp.float32)
         per_row = c @ p["w"]
-        v = jnp.sum(mm * per_row) / jnp.sum(mm)
+        mean = lambda x: jnp.sum(m * x.astype(wide).T, axis=-1) / jnp.sum(m)
+        v = mean(per_row).astype(c.dtype)
         if key is not None:
             u = jax.random.uniform(key, (cell.dim,), jnp.float32).astype(c.dtype)
             v = v + jnp.sum(u * p["w"])
         if cell.option == "has_aux":
-            feat = jnp.sum(mm[:, None] * c, axis=0) / jnp.sum(mm)
-            return v, {"feat": feat, "rows": per_row}
+            return v, {"feat": mean(c).astype(c.dtype), "rows": per_row}
         return v
 
     return fn
