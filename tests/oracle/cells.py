@@ -45,6 +45,8 @@ VARIABLES = {
     "acc": ACCS,
     "option": OPTIONS,
     "inner": INNERS,
+    "nan_grad": (False, True),
+    "bad_device": (False, True),
 }
 
 STREAM_FACES = ("accumulate", "multisteps")  # one micro-batch per call

@@ -26,7 +26,7 @@ import numpy as np
 from .cells import Cell
 from .data import NP_DTYPES
 
-EPS = {"f32": 2.0**-24, "bf16": 2.0**-9, "f16": 2.0**-11, "f64": 2.0**-53}
+EPS = {"f32": 2.0**-24, "bf16": 2.0**-8, "f16": 2.0**-11, "f64": 2.0**-53}
 FLOOR = {"f32": 1e-5, "f64": 1e-12, "bf16": 0.0, "f16": 0.0}
 BUFFER = {"promote": None, "none": "same", "f32": "f32"}
 
