@@ -36,7 +36,7 @@ def _options(cell: Cell, flax: bool = False) -> dict[str, Any]:
     )
     if cell.weighted:
         kw["weight_fn"] = rt.weight_fn
-    if cell.mode == "axis_name":
+    if cell.mapped:
         kw["axis_name"] = rt.AXIS
     if cell.mode == "data_axes":
         kw["data_axes"] = rt.AXIS
@@ -76,6 +76,8 @@ def _compiled(cell: Cell) -> Any:
         value, aux = value if cell.option == "has_aux" else (value, None)
         return value, grads["w"], aux, tracker
 
+    if cell.mode == "pmap":
+        return jax.pmap(call, rt.AXIS, in_axes=(None, 0, 0, None, None))
     if cell.mode != "axis_name":
         return jax.jit(call)
     row = P(rt.AXIS)
@@ -100,6 +102,8 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
             m = rt.place(cell, inputs.m[t], jnp.float32, rows=True)
             key = data.step_key(cell, t)
             value, grad, aux, tracker = f(params, c, m, key, tracker)
+            if cell.mode == "pmap":  # replicated after the reduction
+                value, grad, tracker = rt.first_device((value, grad, tracker))
             step = {"value": float(rt.to_np(value)), "grad": rt.to_np(grad)}
             if aux is not None:
                 step["aux"] = _aux(cell, aux)

@@ -56,11 +56,11 @@ def build_tx(cell: Cell) -> optax.GradientTransformationExtraArgs:
             k_schedule(cell),
             reduction=cell.reduction,
             skip_fn=_skip_fn(cell),
-            axis_name=rt.AXIS if cell.mode == "axis_name" else None,
+            axis_name=rt.AXIS if cell.mapped else None,
             data_axes=data_axes,
             **common,
         )
-    extra = {"axis_name": rt.AXIS} if cell.mode == "axis_name" else {}
+    extra = {"axis_name": rt.AXIS} if cell.mapped else {}
     return optax_accum.MultiSteps(
         rt.inner(cell),
         k_schedule(cell),
@@ -98,6 +98,10 @@ def _compiled(cell: Cell, params):
     step = _step(cell, tx)
     if cell.eager:
         return tx.init, step
+    if cell.mode == "pmap":
+        return jax.pmap(tx.init, rt.AXIS), jax.pmap(
+            step, rt.AXIS, in_axes=(0, 0, 0, 0, None)
+        )
     if cell.mode != "axis_name":
         return jax.jit(tx.init), jax.jit(step)
     specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), rt.AXIS)
@@ -113,6 +117,8 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     """The face on the cell's calls: updates, flags, skips, noise scale."""
     with rt.context(cell):
         params = rt.params(cell, inputs.w0)
+        if cell.mode == "pmap":  # one copy per device
+            params = jax.tree.map(lambda x: jnp.stack([x] * cell.devices), params)
         init, step = rt.cached(
             (cell.structure(), "stream"), lambda: _compiled(cell, params)
         )
@@ -122,9 +128,13 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
             c = rt.place(cell, inputs.c[t], rt.JNP_DTYPES[cell.dtype], rows=True)
             m = rt.place(cell, inputs.m[t], jnp.float32, rows=True)
             u, state, flag = step(params, state, c, m, jnp.bool_(inputs.close[t]))
+            if cell.mode == "pmap":
+                u, flag = rt.first_device((u, flag))
             ups.append(rt.to_np(u))
             flags.append(bool(flag))
         out = {"updates": np.stack(ups), "updated": np.array(flags)}
+        if cell.mode == "pmap":
+            state = rt.first_device(state)
         out["num_skipped"] = _num_skipped(state)
         if cell.option == "noise":
             ns = optax_accum.noise_scale(state)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 FACES = ("accumulate", "multisteps", "microbatch", "loss", "nnx", "linen")
-MODES = ("single", "global", "axis_name", "data_axes")
+MODES = ("single", "global", "axis_name", "pmap", "data_axes")
 REDUCTIONS = ("mean", "sum")
 WEIGHTS = ("none", "counts", "zeros", "nan", "negative")
 KS = (1, 2, 3, 8)
@@ -86,6 +86,11 @@ class Cell:
     @property
     def devices(self) -> int:
         return 1 if self.mode == "single" else DEVICES
+
+    @property
+    def mapped(self) -> bool:
+        """Inside a mapped axis (``shard_map`` or ``pmap``): ``axis_name``."""
+        return self.mode in ("axis_name", "pmap")
 
     @property
     def weighted(self) -> bool:

@@ -28,7 +28,8 @@ FACE_NAMES = {
 MODE_NAMES = {
     "single": "one device",
     "global": "global view",
-    "axis_name": "`axis_name`",
+    "axis_name": "`axis_name` (shard_map)",
+    "pmap": "`axis_name` (pmap)",
     "data_axes": "`data_axes`",
 }
 OPTION_NAMES = {

@@ -119,8 +119,8 @@ def unit_keys(cell: Cell, s: int) -> dict[tuple[int, int], jax.Array]:
 def per_device(cell: Cell) -> bool:
     """Whether each device's part of a micro-batch is its own unit."""
     if cell.stream:
-        return cell.mode == "axis_name"
-    return cell.mode in ("axis_name", "data_axes")
+        return cell.mapped
+    return cell.mapped or cell.mode == "data_axes"
 
 
 def _unit(cell, c, m, w, u, share) -> Unit:

@@ -39,7 +39,7 @@ def stream(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
         model.INNER[cell.inner](),
         skip=_skip(cell),
         close=list(inputs.close),
-        mapped=cell.mode == "axis_name",
+        mapped=cell.mapped,
         decay=decay,
     )
     result = {"updates": out.updates, "updated": out.updated}
@@ -83,7 +83,7 @@ def aux(cell: Cell, inputs: data.Inputs, t: int, w: np.ndarray) -> dict[str, Any
     n = len(m)
     dev = np.arange(n) // (n // cell.devices)
     mb = np.arange(n) % cell.k
-    groups = range(cell.devices) if cell.mode == "axis_name" else [None]
+    groups = range(cell.devices) if cell.mapped else [None]
     feats, rows, defined = [], [], []
     for d in groups:
         f_d, r_d, ok_d = [], [], []

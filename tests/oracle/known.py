@@ -41,7 +41,7 @@ KNOWN: tuple[Known, ...] = (
             and c.k == 1
             and c.option == "noise"
             and c.reduction == "mean"
-            and c.mode != "axis_name"
+            and not c.mapped
         ),
     ),
     Known(
@@ -88,7 +88,7 @@ KNOWN: tuple[Known, ...] = (
         lambda c: (
             c.face in _FUSED
             and c.k == 1
-            and c.mode != "axis_name"
+            and not c.mapped
             and c.weighted
             and (c.reduction == "sum" or c.weights in ("zeros", "nan", "negative"))
             and not _refused(c)
@@ -98,10 +98,7 @@ KNOWN: tuple[Known, ...] = (
         "issue 20 defect 2",
         "an fp16 buffer overflows in the reduction over devices",
         lambda c: (
-            c.mode == "axis_name"
-            and c.dtype == "f16"
-            and c.acc == "none"
-            and c.magnitude == "large"
+            c.mapped and c.dtype == "f16" and c.acc == "none" and c.magnitude == "large"
         ),
     ),
     Known(
@@ -149,7 +146,7 @@ KNOWN: tuple[Known, ...] = (
             c.face == "accumulate"
             and c.option in _SKIPS
             and c.weights == "zeros"
-            and (not c.bad_device or c.mode in ("single", "axis_name"))
+            and (not c.bad_device or c.mode in ("single", "axis_name", "pmap"))
             and c.mode != "data_axes"
         ),
     ),
@@ -170,11 +167,7 @@ KNOWN: tuple[Known, ...] = (
     Known(
         "issue 20 defect 10",
         "skip_large_updates under axis_name judges each device's gradient",
-        lambda c: (
-            c.face == "accumulate"
-            and c.mode == "axis_name"
-            and c.option == "skip_large"
-        ),
+        lambda c: c.face == "accumulate" and c.mapped and c.option == "skip_large",
     ),
     Known(
         "issue 20 defect 11",

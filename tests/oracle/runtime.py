@@ -56,7 +56,14 @@ def place(cell: Cell, x: np.ndarray, dtype: Any, rows: bool) -> jax.Array:
         return jax.device_put(a, P(AXIS) if rows else P())
     if cell.mode == "axis_name":
         return jax.device_put(a, jax.NamedSharding(mesh(), P(AXIS) if rows else P()))
+    if cell.mode == "pmap" and rows:  # device d's rows on the leading axis
+        return a.reshape(DEVICES, -1, *a.shape[1:])
     return a
+
+
+def first_device(tree: Any) -> Any:
+    """Device 0's copy of a ``pmap`` result."""
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def params(cell: Cell, w0: np.ndarray) -> dict:

@@ -50,7 +50,12 @@ NOT_APPLICABLE = (
     ),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
     _rule((), "nnx keys come from nnx.Rngs", face=("nnx",), option=("rng",)),
-    _rule((), "not driven by the oracle", face=("nnx", "linen"), mode=("axis_name",)),
+    _rule(
+        (),
+        "not driven by the oracle",
+        face=("nnx", "linen"),
+        mode=("axis_name", "pmap"),
+    ),
     _rule(
         (),
         "data_axes declares fun row-independent; a clipped gradient is not",
@@ -70,7 +75,7 @@ REFUSED = (
         ("axis_name",),
         "no axis_name argument",
         face=("multisteps",),
-        mode=("axis_name",),
+        mode=("axis_name", "pmap"),
     ),
     _rule(
         ("noise_scale_decay", "reduction"),
