@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 from optax_accum.flax import linen_train_step, nnx_train_step
 
@@ -55,17 +56,7 @@ def _nnx(cell: Cell, inputs: data.Inputs):
 
 
 def _linen(cell: Cell, inputs: data.Inputs):
-    loss = rt.loss(cell)
-    rng = cell.option == "rng"
-    fn = lambda p, key, c, m: loss(p, c, m, key if rng else None)
-    step = rt.cached(
-        (cell.structure(), "linen"),
-        lambda: jax.jit(
-            linen_train_step(
-                fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True)
-            )
-        ),
-    )
+    step = rt.cached((cell.structure(), "linen"), lambda: _linen_step(cell))
     state = [
         train_state.TrainState.create(
             apply_fn=None,
@@ -75,12 +66,46 @@ def _linen(cell: Cell, inputs: data.Inputs):
     ]
 
     def call(c, m, key, tracker):
-        kw = {"noise_scale": tracker} if tracker is not None else {}
-        res = step(state[0], c, m, rng=key if rng else None, **kw)
-        state[0] = res[0]
-        return res[1], state[0].params["w"], res[2] if tracker is not None else None
+        new, loss, aux, tracker = step(state[0], c, m, key, tracker)
+        if cell.mode == "pmap":  # replicated after the reduction
+            new, loss, tracker = rt.first_device((new, loss, tracker))
+        state[0] = new
+        out = (loss, aux) if cell.option == "has_aux" else loss
+        return out, new.params["w"], tracker
 
     return call
+
+
+def _linen_step(cell: Cell):
+    """``(state, c, m, key, tracker) -> (state, loss, aux, tracker)``,
+    compiled for the cell's mode (inside ``shard_map`` or ``pmap`` for
+    ``axis_name``)."""
+    loss = rt.loss(cell)
+    rng, noise = cell.option == "rng", cell.option == "noise"
+    fn = lambda p, key, c, m: loss(p, c, m, key if rng else None)
+    step = linen_train_step(
+        fn, cell.k, has_aux=cell.option == "has_aux", **_options(cell, True)
+    )
+
+    def body(state, c, m, key, tracker):
+        kw = {"noise_scale": tracker} if noise else {}
+        out = step(state, c, m, rng=key if rng else None, **kw)
+        value, aux = out[1] if cell.option == "has_aux" else (out[1], None)
+        return out[0], value, aux, out[2] if noise else None
+
+    if cell.mode == "pmap":
+        return jax.pmap(body, rt.AXIS, in_axes=(None, 0, 0, None, None))
+    if cell.mode != "axis_name":
+        return jax.jit(body)
+    row = P(rt.AXIS)
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=rt.mesh(),
+            in_specs=(P(), row, row, P(), P()),
+            out_specs=(P(), P(), row, P()),
+        )
+    )
 
 
 def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:

@@ -77,26 +77,43 @@ def loop(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
 
 def aux(cell: Cell, inputs: data.Inputs, t: int, w: np.ndarray) -> dict[str, Any]:
     """``fun``'s aux per micro-batch: its token-mean features and per-row
-    losses; entries of a micro-batch whose weight is not positive are
-    unspecified in the device-local mode (``defined`` false)."""
+    losses (per device of a mapped axis). In the device-local mode the
+    features are the weighted mean of the devices' (a device part of weight
+    0 contributes nothing), unspecified where no part has a positive
+    weight (``defined`` false)."""
     c, m = inputs.c[t], inputs.m[t]
     n = len(m)
     dev = np.arange(n) // (n // cell.devices)
     mb = np.arange(n) % cell.k
     groups = range(cell.devices) if cell.mapped else [None]
-    feats, rows, defined = [], [], []
-    for d in groups:
-        f_d, r_d, ok_d = [], [], []
-        for i in range(cell.k):
-            sel = (mb == i) & (True if d is None else dev == d)
-            cm, mm = c[sel], m[sel]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                f_d.append((mm @ cm) / mm.sum())
-            r_d.append(cm @ w)
-            ok = all(model.usable(x) for x in mm) and mm.sum() > 0
-            ok_d.append(ok or cell.mode != "data_axes")
-        feats.append(f_d)
-        rows.append(r_d)
-        defined.append(ok_d)
-    pick = (lambda x: np.array(x)) if d is not None else (lambda x: np.array(x[0]))
-    return {"feat": pick(feats), "rows": pick(rows), "defined": pick(defined)}
+    out = [
+        [_micro(cell, c, m, w, (mb == i) & _on(dev, d), dev) for i in range(cell.k)]
+        for d in groups
+    ]
+    arrays = {key: np.array([[x[key] for x in g] for g in out]) for key in out[0][0]}
+    return arrays if cell.mapped else {k: v[0] for k, v in arrays.items()}
+
+
+def _on(dev: np.ndarray, d: int | None) -> np.ndarray:
+    return np.ones_like(dev, bool) if d is None else dev == d
+
+
+def _feat(c: np.ndarray, m: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (m @ c) / m.sum()
+
+
+def _micro(cell: Cell, c, m, w, sel, dev) -> dict[str, Any]:
+    rows = c[sel] @ w
+    if cell.mode != "data_axes":
+        return {"feat": _feat(c[sel], m[sel]), "rows": rows, "defined": True}
+    parts = [sel & (dev == d) for d in range(cell.devices)]
+    weights = [model.admitted(m[p].sum()) if cell.weighted else 1.0 for p in parts]
+    kept = [
+        (wd, _feat(c[p], m[p])) for wd, p in zip(weights, parts, strict=True) if wd > 0
+    ]
+    total = sum(wd for wd, _ in kept)
+    feat = (
+        sum(wd * f for wd, f in kept) / total if kept else np.full(c.shape[1], np.nan)
+    )
+    return {"feat": feat, "rows": rows, "defined": bool(kept)}

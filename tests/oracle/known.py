@@ -28,6 +28,11 @@ _FUSED = ("microbatch", "nnx", "linen")  # the loss face is not judged yet
 _SKIPS = ("skip_fn", "skip_large")
 
 
+def _partial(c: Cell) -> bool:
+    """The bad pattern is on one device of several."""
+    return c.bad_device and c.devices > 1
+
+
 def _refused(c: Cell) -> bool:
     return bool(table.refusals(c))
 
@@ -90,7 +95,11 @@ KNOWN: tuple[Known, ...] = (
             and c.k == 1
             and not c.mapped
             and c.weighted
-            and (c.reduction == "sum" or c.weights in ("zeros", "nan", "negative"))
+            and (
+                c.reduction == "sum"
+                or c.weights == "nan"
+                or (c.weights in ("zeros", "negative") and not _partial(c))
+            )
             and not _refused(c)
         ),
     ),
@@ -112,7 +121,12 @@ KNOWN: tuple[Known, ...] = (
         "float0 gradients crash microbatch with k >= 2, accumulate with the "
         "noise scale, skip_large_updates",
         lambda c: (
-            (c.face == "microbatch" and c.float0 and c.k >= 2 and c.acc != "f32")
+            (
+                c.face == "microbatch"
+                and c.float0
+                and c.k >= 2
+                and not (c.acc == "f32" and c.reduction == "sum" and not c.weighted)
+            )
             or (
                 c.stream
                 and c.float0
@@ -146,7 +160,7 @@ KNOWN: tuple[Known, ...] = (
             c.face == "accumulate"
             and c.option in _SKIPS
             and c.weights == "zeros"
-            and (not c.bad_device or c.mode in ("single", "axis_name", "pmap"))
+            and (not _partial(c) or c.mapped)
             and c.mode != "data_axes"
         ),
     ),
@@ -159,7 +173,7 @@ KNOWN: tuple[Known, ...] = (
             and c.mode == "data_axes"
             and c.reduction == "sum"
             and not c.weighted
-            and not c.nan_grad
+            and not (c.nan_grad and c.face != "microbatch")  # NaN parameters
             and c.k >= 2
             and not _refused(c)
         ),
