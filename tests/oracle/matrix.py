@@ -227,6 +227,29 @@ EXPLICIT = (
         "none",
         magnitude="light",
     ),
+    # oracle-3: data_axes at k = 1, a bad weight on one device's rows.
+    _c(
+        "microbatch",
+        "data_axes",
+        "mean",
+        "negative",
+        1,
+        "f32",
+        "promote",
+        "none",
+        bad_device=True,
+    ),
+    _c(
+        "linen",
+        "data_axes",
+        "mean",
+        "negative",
+        1,
+        "f32",
+        "promote",
+        "has_aux",
+        bad_device=True,
+    ),
     # 8: data_axes sum without weights.
     _c("microbatch", "data_axes", "sum", "none", 2, "f32", "promote", "none"),
     # 9: data_axes with skip_fn (accumulate), noise (MultiSteps).
