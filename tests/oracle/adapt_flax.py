@@ -47,9 +47,10 @@ def _nnx(cell: Cell, inputs: data.Inputs):
 
     def call(c, m, key, tracker):
         del key
-        kw = {"noise_scale": tracker} if tracker is not None else {}
+        noise = cell.option == "noise"
+        kw = {"noise_scale": tracker} if noise else {}
         out = step(model, optimizer, c, m, **kw)
-        out, tracker = out if tracker is not None else (out, None)
+        out, tracker = out if noise else (out, tracker)
         return out, model.w[...], tracker
 
     return call
@@ -91,7 +92,7 @@ def _linen_step(cell: Cell):
         kw = {"noise_scale": tracker} if noise else {}
         out = step(state, c, m, rng=key if rng else None, **kw)
         value, aux = out[1] if cell.option == "has_aux" else (out[1], None)
-        return out[0], value, aux, out[2] if noise else None
+        return out[0], value, aux, out[2] if noise else tracker
 
     if cell.mode == "pmap":
         return jax.pmap(body, rt.AXIS, in_axes=(None, 0, 0, None, None))
@@ -111,7 +112,7 @@ def _linen_step(cell: Cell):
 def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     with rt.context(cell):
         call = (_nnx if cell.face == "nnx" else _linen)(cell, inputs)
-        tracker = zero_tracker() if cell.option == "noise" else None
+        tracker = zero_tracker()  # never None: see `adapt_loop.run`
         steps = []
         for t in range(len(inputs.m)):
             c = rt.place(cell, inputs.c[t], rt.JNP_DTYPES[cell.dtype], rows=True)
@@ -123,6 +124,6 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
                 step["aux"] = _aux(cell, aux)
             steps.append(step)
     out: dict[str, Any] = {"steps": steps}
-    if tracker is not None:
+    if cell.option == "noise":
         out["noise"] = {f: float(getattr(tracker, f)) for f in NOISE_FIELDS}
     return out

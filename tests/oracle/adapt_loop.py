@@ -71,7 +71,7 @@ def _compiled(cell: Cell) -> Any:
 
     def call(p, c, m, key, tracker):
         args = (p, c, m, key) if rng else (p, c, m)
-        out, tracker = f(*args, noise_scale=tracker) if noise else (f(*args), None)
+        out, tracker = f(*args, noise_scale=tracker) if noise else (f(*args), tracker)
         value, grads = out
         value, aux = value if cell.option == "has_aux" else (value, None)
         return value, grads["w"], aux, tracker
@@ -95,7 +95,9 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     with rt.context(cell):
         f = rt.cached((cell.structure(), "loop"), lambda: _compiled(cell))
         params = rt.params(cell, inputs.w0)
-        tracker = zero_tracker() if cell.option == "noise" else None
+        # Always a tracker (passed through without the noise scale): jax.pmap
+        # silently maps the wrong argument when one of them is None.
+        tracker = zero_tracker()
         steps = []
         for t in range(len(inputs.m)):
             c = rt.place(cell, inputs.c[t], rt.JNP_DTYPES[cell.dtype], rows=True)
@@ -109,7 +111,7 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
                 step["aux"] = _aux(cell, aux)
             steps.append(step)
     out: dict[str, Any] = {"steps": steps}
-    if tracker is not None:
+    if cell.option == "noise":
         out["noise"] = {f: float(getattr(tracker, f)) for f in NOISE_FIELDS}
     return out
 

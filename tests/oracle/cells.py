@@ -3,10 +3,12 @@
 """A cell of the oracle's matrix: one value of each variable.
 
 The variables are the face, the device mode, the reduction, the weights, k,
-the dtype, the accumulator dtype, one option and the inner optimizer. A few
-more (``nan_grad``, ``magnitude``, ``dim``, ``eager``) are set only by the
-explicit cells that a defect needs. `Cell.structure` is what a compiled
-function depends on; ``seed`` and the value-only variables are fed as arrays.
+the dtype, the accumulator dtype, one option, the inner optimizer, NaN rows
+(``nan_grad``) and whether the bad weight is on one device's rows only
+(``bad_device``). A few more (``magnitude``, ``dim``, ``eager``,
+``int_param``) are set only by the explicit cells that a defect needs.
+`Cell.structure` is what a compiled function depends on; ``seed`` and the
+value-only variables are fed as arrays.
 """
 
 from __future__ import annotations

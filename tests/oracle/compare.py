@@ -12,8 +12,9 @@ gradient, the reduced gradient and the inner update each round once or twice
 in it), ``eps_buffer`` the accumulator's (a running mean or a sum of k terms
 gains about log2 k roundings, pairwise). Floors: float32 1e-5, float64
 1e-12. So: bf16 with a float32 buffer 0.023; fp16 0.0029; a bf16 buffer at
-k = 8 0.075 (at k = 1024 0.15: about 38 ulps, which the running mean meets
-and a plain bf16 sum does not). The noise statistics' EMAs are differences
+k = 8 0.076 (at k = 1024 0.156: 20 bf16 ulps of 2**-7, which the running mean
+meets and a plain bf16 sum, 49% off, does not); a float16 buffer at k = 8
+0.0095. The noise statistics' EMAs are differences
 of nearly equal squared norms: they get 100 times that (1e-3 in float32).
 """
 
@@ -124,4 +125,6 @@ def check(cell: Cell, got: dict, want: dict) -> None:
 def _noise(got: dict, want: dict, tol: float) -> None:
     for field, value in want.items():
         exact = field in ("windows", "b_small", "b_big")
-        close(got[field], value, tol if exact else 100 * tol, f"noise {field}")
+        # The noise state is float32 whatever the gradients' dtype.
+        t = max(tol, 1e-6) if exact else max(100 * tol, 1e-3)
+        close(got[field], value, t, f"noise {field}")

@@ -7,11 +7,11 @@ The loss of a micro-batch (rows ``c``, per-row weights ``m``, parameters
 for a key's uniform draw ``u`` with the ``rng`` option), so its gradient is
 ``sum_r m_r c_r / sum_r m_r (+ u)``, exactly, whatever ``w`` is. With
 weights, a micro-batch weighs ``sum_r m_r`` (the token count). Values are
-multiples of 1/8 (exact in every dtype); one micro-batch, the *bad* one,
-carries the pattern of the cell's ``weights`` (0, NaN or -1 on all its rows,
-or with ``bad_device`` on device 0's rows only) and, with ``nan_grad``, NaN
-rows. In a stream it is the first call of the second window, or with
-``close`` the last call, which closes the window.
+multiples of 1/8 and token counts eighths (exact in every dtype); one
+micro-batch, the *bad* one, carries the pattern of the cell's ``weights``
+(0, NaN or -1 on all its rows, or with ``bad_device`` on device 0's rows
+only) and, with ``nan_grad``, NaN rows. In a stream it is the first call of
+the second window, or with ``close`` the last call, which closes the window.
 
 Rows of a call (`accumulate`) or of a batch (`microbatch`) are laid out as
 the devices hold them: row ``r`` is on device ``r // (rows / devices)``, and

@@ -43,6 +43,7 @@ def stream(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
         decay=decay,
     )
     result = {"updates": out.updates, "updated": out.updated}
+    result["idle_rejections"] = out.idle_rejections
     result["num_skipped"] = out.num_skipped if cell.face == "accumulate" else None
     if decay is not None:
         result["noise"] = model.noise_read(out.noise)

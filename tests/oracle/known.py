@@ -33,6 +33,14 @@ def _partial(c: Cell) -> bool:
     return c.bad_device and c.devices > 1
 
 
+def _idle_rejections(c: Cell) -> int:
+    """How many calls the model rejects right after an update (a value
+    question: the registry asks the model)."""
+    from . import data, expect
+
+    return expect.stream(c, data.build(c))["idle_rejections"]
+
+
 def _refused(c: Cell) -> bool:
     return bool(table.refusals(c))
 
@@ -138,11 +146,11 @@ KNOWN: tuple[Known, ...] = (
             (
                 c.face == "microbatch"
                 and c.float0
-                and c.k >= 2
-                # The one combination seen to work: the global view's plain
-                # sum into a float32 buffer.
+                and (c.k >= 2 or c.mapped)
+                # The one combination seen to work: a plain sum into a
+                # float32 buffer, on several devices.
                 and not (
-                    c.mode == "global"
+                    c.mode != "single"
                     and c.acc == "f32"
                     and c.reduction == "sum"
                     and not c.weighted
@@ -210,8 +218,8 @@ KNOWN: tuple[Known, ...] = (
         lambda c: (
             c.face == "multisteps"
             and c.option in _SKIPS
-            and c.nan_grad
             and not _refused(c)
+            and _idle_rejections(c) > 0
         ),
     ),
     Known(

@@ -159,6 +159,9 @@ class Stream(NamedTuple):
     updated: np.ndarray  # (calls,) bool
     num_skipped: int
     noise: Noise | None
+    # Calls rejected while the window was empty after an update: the state
+    # then reads as right after an update, though the call emitted none.
+    idle_rejections: int = 0
 
 
 def _rejected(units: list[Unit], skip: Callable | None, mapped: bool) -> bool:
@@ -190,9 +193,11 @@ def run_stream(
     inner_state, step, window, skipped = inner.init(dim), 0, [], 0
     micro, noise = 0, Noise() if decay is not None else None
     updates, updated = [], []
+    idle = 0
     for t, units in enumerate(calls):
         if _rejected(units, skip, mapped):
             skipped += 1
+            idle += micro == 0 and step > 0
         else:
             micro += 1
             window += units
@@ -208,7 +213,7 @@ def run_stream(
             micro, window = 0, []
         updates.append(u)
         updated.append(did)
-    return Stream(np.array(updates), np.array(updated), skipped, noise)
+    return Stream(np.array(updates), np.array(updated), skipped, noise, idle)
 
 
 # ---- the fused face: microbatch, the loss face, the Flax steps ----------------

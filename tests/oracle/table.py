@@ -49,19 +49,13 @@ NOT_APPLICABLE = (
         option=("clip",),
     ),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
+    _rule((), "not driven by the oracle", face=("nnx", "linen"), int_param=(True,)),
     _rule((), "nnx keys come from nnx.Rngs", face=("nnx",), option=("rng",)),
     _rule(
         (),
         "not driven by the oracle",
         face=("nnx",),
         mode=("axis_name", "pmap"),
-    ),
-    _rule(
-        (),
-        "not driven by the oracle: jax.pmap of a TrainState with in_axes=None "
-        "mis-sizes the mapped axis for some optimizers (not investigated)",
-        face=("linen",),
-        mode=("pmap",),
     ),
     _rule(
         (),
