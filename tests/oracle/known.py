@@ -41,6 +41,18 @@ def _idle_rejections(c: Cell) -> int:
     return expect.stream(c, data.build(c))["idle_rejections"]
 
 
+def _swamped(c: Cell) -> bool:
+    """A Flax step whose only micro-batch holds NaN rows with a usable
+    weight: every parameter is NaN from the first step on, in the model
+    too, whatever the defect."""
+    return (
+        c.face in ("nnx", "linen")
+        and c.k == 1
+        and c.nan_grad
+        and c.weights in ("none", "counts")
+    )
+
+
 def _refused(c: Cell) -> bool:
     return bool(table.refusals(c))
 
@@ -80,6 +92,7 @@ KNOWN: tuple[Known, ...] = (
             and c.option == "rng"
             and c.k == 1
             and not _refused(c)
+            and not _swamped(c)
         ),
     ),
     Known(
@@ -123,6 +136,7 @@ KNOWN: tuple[Known, ...] = (
                 or (c.weights in ("zeros", "negative") and not _partial(c))
             )
             and not _refused(c)
+            and not _swamped(c)
         ),
     ),
     Known(
