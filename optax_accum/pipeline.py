@@ -20,6 +20,7 @@ from ._microbatch_options import WeightFn
 from ._pipeline_schedule import BACKWARD as BACKWARD
 from ._pipeline_schedule import FORWARD as FORWARD
 from ._pipeline_schedule import IDLE as IDLE
+from ._pipeline_schedule import SCHEDULES as SCHEDULES
 from ._pipeline_schedule import ScheduleTable as ScheduleTable
 from ._pipeline_schedule import bubble_fraction as bubble_fraction
 from ._pipeline_schedule import schedule_table as schedule_table
@@ -107,6 +108,7 @@ __all__ = [
     "BACKWARD",
     "FORWARD",
     "IDLE",
+    "SCHEDULES",
     "ScheduleTable",
     "bubble_fraction",
     "schedule_table",
