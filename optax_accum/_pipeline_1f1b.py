@@ -20,8 +20,7 @@ import numpy as np
 from jax import lax
 
 from . import _pipeline_schedule as sched
-from ._pipeline_gpipe import column, ring
-from ._pipeline_step import Local, fill, forward, zeros
+from ._pipeline_step import Cells, Local, fill, forward, ring, zeros
 
 
 def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
@@ -82,13 +81,13 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
     fp, sp, lp = params
     params = (fp, jax.tree.map(lambda v: v[0], sp), lp)  # 1F1B: one stage each
     f_in, b_in = arrivals(table)
-    rows = tuple(column(a, ctx.stage) for a in (table.op, table.microbatch, f_in, b_in))
+    cells = Cells((table.op, table.microbatch, f_in, b_in))
     branches = _branches(ctx)
     buffer = jax.ShapeDtypeStruct((stages, *ctx.h.shape), ctx.h.dtype)
 
-    def tick(carry, row):
-        xbuf, gbuf, f_msg, b_msg, grads, total = carry
-        op, m, f_slot, b_slot = row
+    def tick(carry, _):
+        t, xbuf, gbuf, f_msg, b_msg, grads, total = carry
+        op, m, f_slot, b_slot = cells.at(t, ctx.stage)
         xbuf, gbuf = _store(xbuf, f_slot, f_msg), _store(gbuf, b_slot, b_msg)
         slot = jnp.maximum(m, 0) % stages
         x_in = lax.dynamic_index_in_dim(xbuf, slot, 0, False)
@@ -97,11 +96,12 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
         grads = jax.tree.map(jnp.add, grads, d)
         f_msg = lax.ppermute(y, axis, ring(stages, 1))
         b_msg = lax.ppermute(gx, axis, ring(stages, -1))
-        return (xbuf, gbuf, f_msg, b_msg, grads, total + loss), aux
+        return (t + 1, xbuf, gbuf, f_msg, b_msg, grads, total + loss), aux
 
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
     init = (
+        jnp.int32(0),
         fill(buffer, ctx.axes),
         fill(buffer, ctx.axes),
         fill(ctx.h, ctx.axes),
@@ -109,6 +109,6 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
         grads,
         zeros(scalar, ctx.axes),
     )
-    (*_, grads, total), auxs = lax.scan(tick, init, rows)
+    (*_, grads, total), auxs = lax.scan(tick, init, length=table.num_ticks)
     gf, gs, gl = grads
     return total, (gf, jax.tree.map(lambda g: g[None], gs), gl), auxs

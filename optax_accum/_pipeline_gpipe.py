@@ -12,46 +12,35 @@ what MaxText and Praxis save.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import _pipeline_schedule as sched
-from ._pipeline_step import Local, fill, forward, stage_params, zeros
-
-
-def ring(num_stages: int, step: int) -> list[tuple[int, int]]:
-    """``ppermute`` pairs that send device i's value to device i + step."""
-    return [(i, (i + step) % num_stages) for i in range(num_stages)]
-
-
-def column(table_array: Any, stage: jax.Array) -> jax.Array:
-    """This device's column of a static ``(ticks, S)`` table."""
-    return jnp.take(jnp.asarray(table_array), stage, axis=1)
+from ._pipeline_step import Cells, Local, fill, forward, ring, stage_params, zeros
 
 
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
     """``(loss, grads, per-tick aux)`` of this device's share of the loss."""
     axis, stages = ctx.pipe.stage_axis, ctx.num_stages
     ticks = table.num_forward_ticks
-    rows = tuple(column(a[:ticks], ctx.stage) for a in table)
+    cells = Cells(tuple(a[:ticks] for a in table))
 
     def local_loss(params):
         fp, sp, lp = params
 
         @jax.checkpoint
-        def tick(carry, row):
-            incoming, total = carry
-            op, m, r = row
+        def tick(carry, _):
+            t, incoming, total = carry
+            op, m, r = cells.at(t, ctx.stage)
             cell = (fp, stage_params(sp, jnp.maximum(r, 0)), lp)
             y, loss, aux = forward(ctx, cell, incoming, m, r, op == sched.FORWARD)
-            return (lax.ppermute(y, axis, ring(stages, 1)), total + loss), aux
+            sent = lax.ppermute(y, axis, ring(stages, 1))
+            return (t + 1, sent, total + loss), aux
 
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
-        init = (fill(ctx.h, ctx.axes), zeros(scalar, ctx.axes))
-        (_, total), auxs = lax.scan(tick, init, rows)
+        init = (jnp.int32(0), fill(ctx.h, ctx.axes), zeros(scalar, ctx.axes))
+        (_, _, total), auxs = lax.scan(tick, init, length=ticks)
         return total, auxs
 
     (loss, auxs), grads = jax.value_and_grad(local_loss, has_aux=True)(params)

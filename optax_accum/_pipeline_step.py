@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _sharding
@@ -55,6 +56,28 @@ class Local(NamedTuple):
     h: jax.ShapeDtypeStruct  # the local stage input
     aux: Any  # loss_fn's aux, as ShapeDtypeStructs (None without has_aux)
     axes: tuple[str, ...]  # the manual axes: the stage axis and the data axes
+
+
+def ring(num_stages: int, step: int) -> list[tuple[int, int]]:
+    """``ppermute`` pairs that send device i's value to device i + step."""
+    return [(i, (i + step) % num_stages) for i in range(num_stages)]
+
+
+class Cells:
+    """Static ``(ticks, S)`` int tables, read one cell per tick.
+
+    They are constants of the program, so neither they nor a column of them
+    is a buffer that grows with the number of ticks.
+    """
+
+    def __init__(self, tables: tuple):
+        self.table = np.stack([np.asarray(a, np.int32) for a in tables], axis=-1)
+
+    def at(self, t: jax.Array, stage: jax.Array) -> tuple[jax.Array, ...]:
+        row = lax.dynamic_slice(
+            jnp.asarray(self.table), (t, stage, 0), (1, 1, self.table.shape[-1])
+        )
+        return tuple(row[0, 0, i] for i in range(self.table.shape[-1]))
 
 
 def microbatch(views: Any, m: jax.Array) -> Any:

@@ -95,6 +95,7 @@ def test_data_mesh(schedule, weighted):
     check_data_mesh(schedule, weighted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_token_weights(schedule):
     """Unequal token counts per micro-batch: the exact token mean."""
