@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,12 +24,12 @@ def trace(mesh, params, batch, m=4, fns=None, **kw):
 
 
 def mesh_of(names=("stage",), shape=(4,)):
-    return jax.make_mesh(shape, names, devices=jax.devices()[: int(jnp.prod(jnp.array(shape)))])
+    return jax.make_mesh(shape, names, devices=jax.devices()[: math.prod(shape)])
 
 
 def test_mesh_without_stage_axis():
     params, batch = md.make(4, rows=8)
-    with pytest.raises(ValueError, match=r"`stage_axis`='stage' is not an axis.*'data'"):
+    with pytest.raises(ValueError, match=r"`stage_axis`='stage' is not.*'data'"):
         trace(mesh_of(("data",)), params, batch)
     with pytest.raises(ValueError, match="`stage_axis`"):
         trace(None, params, batch)

@@ -13,8 +13,13 @@ SIZES = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16, 64)]
 CASES = [
     (sch, s, m, r)
     for s, m in SIZES
-    for sch, r in (("gpipe", 1), ("1f1b", 1), ("circular", 1), ("circular", 2),
-                   ("circular", 3))
+    for sch, r in (
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("circular", 1),
+        ("circular", 2),
+        ("circular", 3),
+    )
     if sch != "circular" or m % s == 0
 ]
 
@@ -38,8 +43,12 @@ def test_each_op_once_in_order(schedule, stages, m, repeats):
     assert np.all(table.microbatch[idle] == -1) and np.all(table.repeat[idle] == -1)
     found = ticks_of(table, stages)
     total = stages * repeats
-    expected = {(op, j, i) for op in (pl.FORWARD, pl.BACKWARD)
-                for j in range(total) for i in range(m)}
+    expected = {
+        (op, j, i)
+        for op in (pl.FORWARD, pl.BACKWARD)
+        for j in range(total)
+        for i in range(m)
+    }
     assert set(found) == expected
     assert all(len(v) == 1 for v in found.values())
     tick = {k: v[0] for k, v in found.items()}
