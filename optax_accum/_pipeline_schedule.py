@@ -17,18 +17,28 @@ are in flight on device ``s`` (so at most S stage inputs are ever held).
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+class Op(enum.IntEnum):
+    """What a device does in one cell of a `ScheduleTable`."""
+
+    IDLE = 0
+    FORWARD = 1
+    BACKWARD = 2
+
+
+IDLE, FORWARD, BACKWARD = Op.IDLE, Op.FORWARD, Op.BACKWARD
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 class ScheduleTable(NamedTuple):
     """A schedule: ``op``, ``microbatch`` and ``repeat``, each ``(ticks, S)``.
 
-    ``op`` is 0 (idle), 1 (forward) or 2 (backward); ``microbatch`` and
+    ``op`` holds `Op` values: 0 (idle), 1 (forward) or 2 (backward); ``microbatch`` and
     ``repeat`` are -1 on idle cells. Device ``s`` with repeat ``r`` runs
     stage ``r * S + s``.
     """

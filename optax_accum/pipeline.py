@@ -17,10 +17,7 @@ from typing import Any
 
 from . import _pipeline_checks, _pipeline_run
 from ._microbatch_options import WeightFn
-from ._pipeline_schedule import BACKWARD as BACKWARD
-from ._pipeline_schedule import FORWARD as FORWARD
-from ._pipeline_schedule import IDLE as IDLE
-from ._pipeline_schedule import SCHEDULES as SCHEDULES
+from ._pipeline_schedule import Op as Op
 from ._pipeline_schedule import ScheduleTable as ScheduleTable
 from ._pipeline_schedule import bubble_fraction as bubble_fraction
 from ._pipeline_schedule import schedule_table as schedule_table
@@ -105,10 +102,7 @@ def value_and_grad(
 
 
 __all__ = [
-    "BACKWARD",
-    "FORWARD",
-    "IDLE",
-    "SCHEDULES",
+    "Op",
     "ScheduleTable",
     "bubble_fraction",
     "schedule_table",

@@ -27,7 +27,7 @@ CASES = [
 def ticks_of(table, stages):
     """``{(op, virtual stage, micro-batch): [ticks]}`` over the whole table."""
     found = {}
-    for t, s in zip(*np.nonzero(table.op != pl.IDLE), strict=True):
+    for t, s in zip(*np.nonzero(table.op != pl.Op.IDLE), strict=True):
         j = table.repeat[t, s] * stages + s
         key = (int(table.op[t, s]), int(j), int(table.microbatch[t, s]))
         found.setdefault(key, []).append(int(t))
@@ -39,13 +39,13 @@ def test_each_op_once_in_order(schedule, stages, m, repeats):
     table = pl.schedule_table(schedule, stages, m, repeats)
     assert table.op.shape == table.microbatch.shape == table.repeat.shape
     assert table.op.shape[1] == stages
-    idle = table.op == pl.IDLE
+    idle = table.op == pl.Op.IDLE
     assert np.all(table.microbatch[idle] == -1) and np.all(table.repeat[idle] == -1)
     found = ticks_of(table, stages)
     total = stages * repeats
     expected = {
         (op, j, i)
-        for op in (pl.FORWARD, pl.BACKWARD)
+        for op in (pl.Op.FORWARD, pl.Op.BACKWARD)
         for j in range(total)
         for i in range(m)
     }
@@ -54,9 +54,9 @@ def test_each_op_once_in_order(schedule, stages, m, repeats):
     tick = {k: v[0] for k, v in found.items()}
     for i in range(m):
         for j in range(1, total):
-            assert tick[pl.FORWARD, j, i] > tick[pl.FORWARD, j - 1, i]
-            assert tick[pl.BACKWARD, j - 1, i] > tick[pl.BACKWARD, j, i]
-        assert tick[pl.BACKWARD, total - 1, i] > tick[pl.FORWARD, total - 1, i]
+            assert tick[pl.Op.FORWARD, j, i] > tick[pl.Op.FORWARD, j - 1, i]
+            assert tick[pl.Op.BACKWARD, j - 1, i] > tick[pl.Op.BACKWARD, j, i]
+        assert tick[pl.Op.BACKWARD, total - 1, i] > tick[pl.Op.FORWARD, total - 1, i]
 
 
 @pytest.mark.parametrize("stages,m", SIZES)
@@ -77,8 +77,8 @@ def test_circular_passes_meet(stages, m):
     table = pl.schedule_table("circular", stages, m, 3)
     tick = {k: v[0] for k, v in ticks_of(table, stages).items()}
     for (op, j, i), t in tick.items():
-        if op == pl.FORWARD and j:
-            assert t == tick[pl.FORWARD, j - 1, i] + 1
+        if op == pl.Op.FORWARD and j:
+            assert t == tick[pl.Op.FORWARD, j - 1, i] + 1
 
 
 @pytest.mark.parametrize("stages,m", SIZES)
@@ -87,8 +87,8 @@ def test_1f1b_keeps_at_most_s_minus_s_in_flight(stages, m):
     backward: the 1F1B runner's S-slot buffers rely on it."""
     table = pl.schedule_table("1f1b", stages, m)
     for s in range(stages):
-        flight = np.cumsum(table.op[:, s] == pl.FORWARD) - np.cumsum(
-            table.op[:, s] == pl.BACKWARD
+        flight = np.cumsum(table.op[:, s] == pl.Op.FORWARD) - np.cumsum(
+            table.op[:, s] == pl.Op.BACKWARD
         )
         assert flight.max() <= stages - s
 
@@ -97,5 +97,5 @@ def test_1f1b_steady_state_alternates():
     op = pl.schedule_table("1f1b", 4, 8).op
     # Device 0: S warm-up forwards, then backward and forward in turn.
     assert op[:4, 0].tolist() == [1, 1, 1, 1]
-    steady = op[op[:, 0] != pl.IDLE, 0][4:12].tolist()
+    steady = op[op[:, 0] != pl.Op.IDLE, 0][4:12].tolist()
     assert steady == [2, 1] * 4
