@@ -119,7 +119,7 @@ def stage_input(pipe: Pipeline, fp: Any, sp: Any, mb: Any, rng: Any):
     if not isinstance(h, jax.ShapeDtypeStruct):
         raise TypeError(f"`first_fn` must return one array, got {h}.")
     h = jax.ShapeDtypeStruct(h.shape, h.dtype)
-    sp0 = jax.tree.map(lambda v: v[0], sp)
+    sp0 = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), sp)
     out = jax.eval_shape(
         lambda sp0, x, k: call_stage(pipe, sp0, x, k, 0, 0), sp0, h, rng
     )

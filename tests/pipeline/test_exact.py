@@ -247,3 +247,24 @@ def test_inside_accumulate():
     want, _ = optax.sgd(0.1).update(g_big, optax.sgd(0.1).init(params), params)
     md.assert_close(updates, want, rtol=1e-5)
     assert bool(optax_accum.has_updated(state))
+
+
+@pytest.mark.slow
+def test_sharded_parameters():
+    """Parameters sharded over ``data`` (FSDP) and the stages over ``stage``:
+    gathered before the loop, gradients sharded like them after it."""
+    mesh = stage_mesh(4, data=2)
+    params, batch = md.make(4, rows=32)
+    want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
+    fp, sp, lp = params
+    with jax.set_mesh(mesh):
+        fp = jax.device_put(fp, NamedSharding(mesh, P(None, "data")))
+        sp = {
+            "w": jax.device_put(sp["w"], NamedSharding(mesh, P("stage", None, "data"))),
+            "b": jax.device_put(sp["b"], NamedSharding(mesh, P("stage"))),
+        }
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    got = pipelined(mesh, (fp, sp, lp), batch, 8, schedule="1f1b")
+    md.assert_close(got, want, rtol=1e-5)
+    assert got[1][1]["w"].sharding.spec == P("stage", None, "data")
+    assert got[1][0]["w"].sharding.spec == P(None, "data")
