@@ -81,6 +81,29 @@ def value_and_grad(
         mesh without ``stage_axis``, ``stage_params`` not stacked by
         ``S · repeats``, a batch size not divisible by M, or a ``stage_fn``
         that changes ``h``'s shape or dtype.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from optax_accum import pipeline
+      >>> first = lambda fp, b: b["x"] * fp
+      >>> stage = lambda sp, h: jnp.tanh(h * sp)
+      >>> loss = lambda lp, h, b: jnp.mean((h * lp - b["y"]) ** 2)
+      >>> params = (jnp.float32(1.0), jnp.array([0.5, 2.0]), jnp.float32(3.0))
+      >>> batch = {"x": jnp.linspace(-1.0, 1.0, 8), "y": jnp.ones(8)}
+      >>> def sequential(p, b):
+      ...     h = first(p[0], b)
+      ...     for j in range(2):
+      ...         h = stage(p[1][j], h)
+      ...     return loss(p[2], h, b)
+      >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+      >>> vg = pipeline.value_and_grad(first, stage, loss, 4, schedule="1f1b")
+      >>> with jax.set_mesh(mesh):
+      ...     value, grads = jax.jit(vg)(params, batch)
+      >>> want_value, want_grads = jax.value_and_grad(sequential)(params, batch)
+      >>> bool(jnp.allclose(value, want_value)), grads[1].shape
+      (True, (2,))
+      >>> bool(jnp.allclose(grads[1], want_grads[1], rtol=1e-5))
+      True
     """
     pipe = Pipeline(
         first_fn,

@@ -196,9 +196,8 @@ def pl_fold(key, m, j):
     return jax.random.fold_in(jax.random.fold_in(key, m), j)
 
 
-@pytest.mark.parametrize(
-    "schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_rng_and_aux(schedule):
     params, batch = md.make(4, rows=16)
     key = jax.random.key(7)
