@@ -106,7 +106,7 @@ def test_data_mesh(schedule, weighted):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b"])  # GPipe's: test_data_mesh
 def test_token_weights(schedule):
     """Unequal token counts per micro-batch: the exact token mean."""
     params, batch = md.make(4, rows=32, ragged=True)
