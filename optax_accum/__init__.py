@@ -11,6 +11,7 @@ own: ``optax_accum.flax`` (Flax train steps), ``optax_accum.distributed``
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import pipeline as pipeline
 from ._accumulate import AccumulateState as AccumulateState
 from ._accumulate import accumulate as accumulate
 from ._accumulate import state_specs as state_specs

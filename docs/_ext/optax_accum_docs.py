@@ -38,7 +38,12 @@ from sphinx.util import logging
 
 LOGGER = logging.getLogger(__name__)
 REPO = executed_notebooks.REPO
-API_MODULES = ("optax_accum", "optax_accum.flax", "optax_accum.distributed")
+API_MODULES = (
+    "optax_accum",
+    "optax_accum.flax",
+    "optax_accum.distributed",
+    "optax_accum.pipeline",
+)
 # Set (to anything but "" or "0") where the notebooks must come from the test
 # run, as on CI: a missing or outdated copy then fails the build instead of
 # being executed a second time.

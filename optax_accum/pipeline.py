@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Pipeline parallelism over micro-batches: GPipe, circular and 1F1B.
+
+The layers of a model sit on the devices of a mesh axis (the stage axis),
+and the micro-batches fill the pipeline; their gradients accumulate before
+the one update, so gradient accumulation is the pipeline's inner loop.
+`value_and_grad` returns the exact loss and gradients of the sequential
+model; `schedule_table` is the static schedule it runs (and the tests check,
+and the guide draws); `bubble_fraction` reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _pipeline_checks, _pipeline_run
+from ._microbatch_options import WeightFn
+from ._pipeline_schedule import Op as Op
+from ._pipeline_schedule import ScheduleTable as ScheduleTable
+from ._pipeline_schedule import bubble_fraction as bubble_fraction
+from ._pipeline_schedule import schedule_table as schedule_table
+from ._pipeline_step import Pipeline
+
+
+def value_and_grad(
+    first_fn: Callable,
+    stage_fn: Callable,
+    loss_fn: Callable,
+    num_microbatches: int,
+    *,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    stage_axis: str = "stage",
+    weight_fn: WeightFn | None = None,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """The loss and gradients of a model split into pipeline stages.
+
+    The model is ``loss_fn(lp, stage_{L-1}(... stage_0(first_fn(fp, batch))),
+    batch)`` with ``L = S · repeats`` stages, S the size of ``stage_axis``.
+    The returned ``vg((first_params, stage_params, last_params), batch,
+    rng=None)`` computes it in one ``shard_map`` over ``stage_axis`` (and the
+    mesh axes that shard the batch's rows, whose gradient reduction runs once,
+    after the loop), with one ``lax.scan`` over the ticks of
+    `schedule_table`. Its result equals ``jax.value_and_grad`` of the
+    sequential model on the whole batch (the weighted mean with
+    ``weight_fn``); the gradients have the structure of the parameters.
+
+    Args:
+      first_fn: ``first_fn(first_params, microbatch) -> h`` (the embedding).
+      stage_fn: ``stage_fn(stage_params, h) -> h`` (one stage; with ``rng``,
+        ``stage_fn(stage_params, h, key)``); ``h`` keeps its shape and dtype.
+      loss_fn: ``loss_fn(last_params, h, microbatch) -> loss``, a mean over
+        its rows (with ``rng``, a fourth argument ``key``); with
+        ``has_aux``, ``(loss, aux)``.
+      num_microbatches: M. Micro-batch ``m`` is rows ``m, m+M, ...`` of the
+        batch, as in `optax_accum.microbatch`.
+      schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S) or
+        ``"1f1b"`` (activations O(S), flat in M).
+      repeats: stages per device, for ``"circular"``: device ``s`` runs
+        stages ``s, s + S, ...``.
+      stage_axis: the mesh axis of the stages.
+      weight_fn: ``weight_fn(microbatch) -> scalar``, e.g. the number of
+        valid tokens: the loss is then ``Σ w_m loss_m / Σ w_m``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
+        stacked per micro-batch.
+
+    Returns:
+      ``vg(params, batch, rng=None) -> (loss, grads)`` (``((loss, aux),
+      grads)`` with ``has_aux``), to call under ``jax.set_mesh(mesh)``.
+      ``stage_params`` leaves are stacked with a leading axis of
+      ``S · repeats`` (stage ``j`` is slice ``j``). With ``rng``, stage ``j``
+      of micro-batch ``m`` gets ``fold_in(fold_in(rng, m), j)`` and the loss
+      ``j = S · repeats``.
+
+    Raises:
+      ValueError: an unknown ``schedule``, ``repeats > 1`` with another
+        schedule, M not a multiple of S for ``"circular"``; at the call, a
+        mesh without ``stage_axis``, ``stage_params`` not stacked by
+        ``S · repeats``, a batch size not divisible by M, or a ``stage_fn``
+        that changes ``h``'s shape or dtype.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from optax_accum import pipeline
+      >>> first = lambda fp, b: b["x"] * fp
+      >>> stage = lambda sp, h: jnp.tanh(h * sp)
+      >>> loss = lambda lp, h, b: jnp.mean((h * lp - b["y"]) ** 2)
+      >>> params = (jnp.float32(1.0), jnp.array([0.5, 2.0]), jnp.float32(3.0))
+      >>> batch = {"x": jnp.linspace(-1.0, 1.0, 8), "y": jnp.ones(8)}
+      >>> def sequential(p, b):
+      ...     h = first(p[0], b)
+      ...     for j in range(2):
+      ...         h = stage(p[1][j], h)
+      ...     return loss(p[2], h, b)
+      >>> mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+      >>> vg = pipeline.value_and_grad(first, stage, loss, 4, schedule="1f1b")
+      >>> with jax.set_mesh(mesh):
+      ...     value, grads = jax.jit(vg)(params, batch)
+      >>> want_value, want_grads = jax.value_and_grad(sequential)(params, batch)
+      >>> bool(jnp.allclose(value, want_value)), grads[1].shape
+      (True, (2,))
+      >>> bool(jnp.allclose(grads[1], want_grads[1], rtol=1e-5))
+      True
+    """
+    pipe = Pipeline(
+        first_fn,
+        stage_fn,
+        loss_fn,
+        num_microbatches,
+        schedule,
+        repeats,
+        stage_axis,
+        weight_fn,
+        has_aux,
+    )
+    pipe = _pipeline_checks.options(pipe)
+
+    def vg(params: Any, batch: Any, rng: Any = None):
+        return _pipeline_run.call(pipe, params, batch, rng)
+
+    return vg
+
+
+__all__ = [
+    "Op",
+    "ScheduleTable",
+    "bubble_fraction",
+    "schedule_table",
+    "value_and_grad",
+]

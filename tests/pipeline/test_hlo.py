@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""What the compiled pipeline contains, and what its memory does with M.
+
+Per loop body at most one collective-permute per direction along the stage
+ring; no all-gather over the stage axis; the data axis's all-reduces after
+the loops; the program the same size for M = 4 and M = 64; 1F1B's temp
+memory flat in M, GPipe's (rematerialised) growing by one stage input per
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum import pipeline as pl
+from tests.helpers import hlo
+from tests.pipeline import models as md
+
+STAGES = 4
+
+
+def lowered(schedule, m, data=1, rows=2, width=8):
+    """``(lowered, mesh)``: the pipeline on a (data, stage 4) mesh, ``rows``
+    rows per micro-batch and device."""
+    repeats = 2 if schedule == "circular" else 1
+    devices = jax.devices()[: STAGES * data]
+    mesh = jax.make_mesh((data, STAGES), ("data", "stage"), devices=devices)
+    params, batch = md.make(STAGES * repeats, rows=rows * m * data, width=width)
+    with jax.set_mesh(mesh):
+        if data > 1:
+            batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        vg = pl.value_and_grad(
+            md.first_fn, md.stage_fn, md.loss_fn, m, schedule=schedule, repeats=repeats
+        )
+        return jax.jit(vg).lower(params, batch), mesh
+
+
+def shift(groups, mesh):
+    """The stage-ring step of a collective-permute's (source, target) pairs."""
+    where = dict(enumerate(np.ndindex(mesh.devices.shape)))
+    k = mesh.axis_names.index("stage")
+    steps = {(where[t][k] - where[s][k]) % STAGES for s, t in groups}
+    assert len(steps) == 1, groups
+    return steps.pop()
+
+
+def check_collectives(schedule):
+    low, mesh = lowered(schedule, 8, data=2)
+    comps, _ = hlo.computations(low.compile().as_text())
+    bodies = hlo.while_bodies(comps)
+    assert bodies
+    permutes = 0
+    for body in bodies:
+        found = hlo.collectives(comps, hlo.reachable(comps, [body]), 8)
+        steps = [shift(g, mesh) for op, g, _ in found if op == "collective-permute"]
+        assert sorted(steps) == sorted(set(steps)), (body, steps)  # one per direction
+        permutes += len(steps)
+        # Nothing else crosses devices inside a loop: the data axis's and the
+        # stage axis's reductions wait for the end.
+        assert {op for op, _, _ in found} <= {"collective-permute"}, found
+    assert permutes == 2  # forward and backward, in one loop (1F1B) or two
+    everything = hlo.collectives(comps, comps, 8)
+    gathers = [
+        g
+        for op, g, _ in everything
+        if op == "all-gather" and hlo.crosses(g, mesh, "stage")
+    ]
+    # Circular: stage j = r·S + s lives on device s, so putting the gradients
+    # back in the order of the stacked parameters moves them, once, after
+    # the loop (the loops themselves hold only collective-permutes).
+    assert len(gathers) == (2 if schedule == "circular" else 0), gathers
+    data_reduces = [
+        g
+        for op, g, _ in everything
+        if op == "all-reduce" and hlo.crosses(g, mesh, "data")
+    ]
+    assert data_reduces
+
+
+def test_collectives_1f1b():
+    check_collectives("1f1b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_collectives(schedule):
+    check_collectives(schedule)
+
+
+def instructions(text):
+    comps, _ = hlo.computations(text)
+    return sum(len(lines) for lines in comps.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ("gpipe", "circular", "1f1b"))
+def test_program_size_flat_in_m(schedule):
+    """One scan over the ticks, not a Python loop: the same program for
+    M = 4 and M = 64 (up to the loop's trip count and the table constant).
+
+    The instruction counts stand in for compile time, which on a shared CI
+    machine varies by more than 10% between two compiles of one program;
+    `benchmarks/bench_pipeline.py` reports the fastest of several."""
+    small, _ = lowered(schedule, 4)
+    large, _ = lowered(schedule, 64)
+    a = instructions(small.compile().as_text())
+    b = instructions(large.compile().as_text())
+    assert abs(b - a) <= 0.1 * a, (a, b)
+    a, b = instructions(small.as_text()), instructions(large.as_text())
+    assert abs(b - a) <= 0.1 * a, (a, b)
+
+
+def temp_bytes(schedule, m, width=64, rows=4):
+    low, _ = lowered(schedule, m, rows=rows, width=width)
+    return low.compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_1f1b_memory_flat_in_m():
+    small, large = temp_bytes("1f1b", 8), temp_bytes("1f1b", 64)
+    assert large <= 1.1 * small, (small, large)
+
+
+@pytest.mark.slow
+def test_gpipe_memory_one_stage_input_per_microbatch():
+    h = 4 * 64 * 4  # rows x width x f32: one stage input
+    slope = (temp_bytes("gpipe", 64) - temp_bytes("gpipe", 8)) / 56
+    assert 0.9 * h <= slope <= 1.2 * h, (slope, h)

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The schedule tables: each op once, dependencies kept, bubbles as the formulas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from optax_accum import pipeline as pl
+
+SIZES = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16, 64)]
+CASES = [
+    (sch, s, m, r)
+    for s, m in SIZES
+    for sch, r in (
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("circular", 1),
+        ("circular", 2),
+        ("circular", 3),
+    )
+    if sch != "circular" or m % s == 0
+]
+
+
+def ticks_of(table, stages):
+    """``{(op, virtual stage, micro-batch): [ticks]}`` over the whole table."""
+    found = {}
+    for t, s in zip(*np.nonzero(table.op != pl.Op.IDLE), strict=True):
+        j = table.repeat[t, s] * stages + s
+        key = (int(table.op[t, s]), int(j), int(table.microbatch[t, s]))
+        found.setdefault(key, []).append(int(t))
+    return found
+
+
+@pytest.mark.parametrize("schedule,stages,m,repeats", CASES)
+def test_each_op_once_in_order(schedule, stages, m, repeats):
+    table = pl.schedule_table(schedule, stages, m, repeats)
+    assert table.op.shape == table.microbatch.shape == table.repeat.shape
+    assert table.op.shape[1] == stages
+    idle = table.op == pl.Op.IDLE
+    assert np.all(table.microbatch[idle] == -1) and np.all(table.repeat[idle] == -1)
+    found = ticks_of(table, stages)
+    total = stages * repeats
+    expected = {
+        (op, j, i)
+        for op in (pl.Op.FORWARD, pl.Op.BACKWARD)
+        for j in range(total)
+        for i in range(m)
+    }
+    assert set(found) == expected
+    assert all(len(v) == 1 for v in found.values())
+    tick = {k: v[0] for k, v in found.items()}
+    for i in range(m):
+        for j in range(1, total):
+            assert tick[pl.Op.FORWARD, j, i] > tick[pl.Op.FORWARD, j - 1, i]
+            assert tick[pl.Op.BACKWARD, j - 1, i] > tick[pl.Op.BACKWARD, j, i]
+        assert tick[pl.Op.BACKWARD, total - 1, i] > tick[pl.Op.FORWARD, total - 1, i]
+
+
+@pytest.mark.parametrize("stages,m", SIZES)
+def test_bubble_formulas(stages, m):
+    gpipe = pl.bubble_fraction("gpipe", stages, m)
+    assert gpipe == pytest.approx((stages - 1) / (m + stages - 1))
+    assert pl.bubble_fraction("1f1b", stages, m) <= gpipe + 1e-12
+    if m % stages == 0:
+        for r in (1, 2, 3):
+            got = pl.bubble_fraction("circular", stages, m, r)
+            assert got == pytest.approx((stages - 1) / (r * m + stages - 1))
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 8), (8, 16), (4, 4)])
+def test_circular_passes_meet(stages, m):
+    """The runner keeps no buffer between passes: each forward runs exactly
+    one tick after the one it depends on, across the wrap S-1 -> 0 too."""
+    table = pl.schedule_table("circular", stages, m, 3)
+    tick = {k: v[0] for k, v in ticks_of(table, stages).items()}
+    for (op, j, i), t in tick.items():
+        if op == pl.Op.FORWARD and j:
+            assert t == tick[pl.Op.FORWARD, j - 1, i] + 1
+
+
+@pytest.mark.parametrize("stages,m", SIZES)
+def test_1f1b_keeps_at_most_s_minus_s_in_flight(stages, m):
+    """Device s holds at most S - s micro-batches between their forward and
+    backward: the 1F1B runner's S-slot buffers rely on it."""
+    table = pl.schedule_table("1f1b", stages, m)
+    for s in range(stages):
+        flight = np.cumsum(table.op[:, s] == pl.Op.FORWARD) - np.cumsum(
+            table.op[:, s] == pl.Op.BACKWARD
+        )
+        assert flight.max() <= stages - s
+
+
+def test_1f1b_steady_state_alternates():
+    op = pl.schedule_table("1f1b", 4, 8).op
+    # Device 0: S warm-up forwards, then backward and forward in turn.
+    assert op[:4, 0].tolist() == [1, 1, 1, 1]
+    steady = op[op[:, 0] != pl.Op.IDLE, 0][4:12].tolist()
+    assert steady == [2, 1] * 4
