@@ -15,6 +15,8 @@ does the rest, one concept a module:
 - `cli`: the common command line (``--quick``, ``--rounds``, ``--out``).
 """
 
+from . import cli as cli
+from . import report as report
 from .cli import script_main as script_main
 from .memory import compiled_memory as compiled_memory
 from .memory import memory_stats as memory_stats
