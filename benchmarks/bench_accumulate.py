@@ -131,9 +131,7 @@ def measure(
         the entry of `CONFIGS`.
       log: called with a line of progress (default: silent).
     """
-    cfg = dict(config if config is not None else CONFIGS["quick" if quick else "cpu"])
-    cfg["micro"] = micro or cfg["micro"]
-    cfg["rounds"] = rounds or cfg["rounds"]
+    cfg = harness.cli.sizes(CONFIGS, quick, config, micro=micro, rounds=rounds)
     log = log or (lambda _: None)
     params0, loss = _mlp(cfg["width"], cfg["depth"])
     rng = np.random.default_rng(0)

@@ -169,8 +169,7 @@ def measure(
         entry of `CONFIGS`.
       log: called with a line of progress (default: silent).
     """
-    cfg = dict(config if config is not None else CONFIGS["quick" if quick else "cpu"])
-    cfg["rounds"] = rounds or cfg["rounds"]
+    cfg = harness.cli.sizes(CONFIGS, quick, config, rounds=rounds)
     width, k, micro = cfg["width"], cfg["k"], cfg["micro"]
     log = log or (lambda _: None)
     keys = jax.random.split(jax.random.key(0), cfg["layers"] + 2)

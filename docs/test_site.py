@@ -131,7 +131,7 @@ def _open(page: Any, site: tuple, path: str) -> tuple[dict, list[str]]:
     """Opens ``path``; what the page reports, and the problems found."""
     base, requests = site
     del requests[:]
-    errors: list[str] = []
+    errors: list[str] = []  # uncaught exceptions, unanswered requests
     external: set[str] = set()
 
     def route(r: Any) -> None:  # offline: other hosts are refused
@@ -144,20 +144,20 @@ def _open(page: Any, site: tuple, path: str) -> tuple[dict, list[str]]:
     def exception(e: Any) -> None:
         errors.append(f"exception: {e}")
 
-    def console(m: Any) -> None:
-        if m.type == "error" and m.location.get("url", "").startswith(base):
-            errors.append(f"console: {m.text}")
+    def failed(r: Any) -> None:  # local requests that got no answer at all
+        if r.url.startswith(base):
+            errors.append(f"request failed: {r.url} ({r.failure})")
 
     page.route("**/*", route)
     page.on("pageerror", exception)
-    page.on("console", console)
+    page.on("requestfailed", failed)
     try:
         response = page.goto(base + path, wait_until="load")
         info = page.evaluate(INSPECT_JS)
     finally:
         page.unroute("**/*", route)
         page.remove_listener("pageerror", exception)
-        page.remove_listener("console", console)
+        page.remove_listener("requestfailed", failed)
     problems = (
         [] if response and response.ok else [f"HTTP {response and response.status}"]
     )
@@ -169,7 +169,7 @@ def _open(page: Any, site: tuple, path: str) -> tuple[dict, list[str]]:
         problems.append(f"error boxes: {info['errorBoxes']}")
     if info["traceback"]:
         problems.append("a traceback in the page text")
-    problems += [f"JavaScript: {e}" for e in errors]
+    problems += errors
     problems += [f"request failed: {p} ({s})" for p, s in requests if s >= 400]
     if external:
         print(f"{path}: not loaded offline (other hosts): {sorted(external)}")

@@ -64,3 +64,16 @@ def script_main(
         print(f"Wrote {md} and {js}")
     print(text)
     return 0
+
+
+def sizes(
+    configs: dict[str, dict[str, Any]],
+    quick: bool,
+    config: dict[str, Any] | None = None,
+    **given: Any,
+) -> dict[str, Any]:
+    """A script's sizes: ``config``, else ``configs["quick"]`` or ``["cpu"]``,
+    with each of ``given`` (``rounds=``, ``micro=``...) that is set."""
+    cfg = dict(config if config is not None else configs["quick" if quick else "cpu"])
+    cfg.update({k: v for k, v in given.items() if v})
+    return cfg
