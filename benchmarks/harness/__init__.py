@@ -13,6 +13,23 @@ does the rest, one concept a module:
 - `report`: Markdown tables from rows, the device and versions, the JSON
   results (with the command that made them);
 - `cli`: the common command line (``--quick``, ``--rounds``, ``--out``).
+
+A new ``bench_<question>.py`` (``benchmarks/run.py`` runs every one) holds its
+workload and variants, and::
+
+    def measure(quick=False, rounds=None) -> dict:   # the rows, as data
+        times = harness.interleaved({"anchor": f, "candidate": g}, rounds)
+        ratio = harness.ratio(times, "candidate", "anchor")  # median, q25, q75
+        ...
+
+    def markdown(data) -> str:                       # rendering, separately
+        return "\n".join(harness.table(header, rows, "lr"))
+
+    if __name__ == "__main__":
+        raise SystemExit(harness.script_main("bench_x", __doc__, measure, markdown))
+
+Run as a script, ``benchmarks/`` is on ``sys.path``; ``benchmarks/run.py``
+puts it there for the scripts it loads.
 """
 
 from . import cli as cli
