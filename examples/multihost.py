@@ -10,6 +10,10 @@ step. Each process loads only its own rows of every micro-batch. With
 middle of an accumulation window), and a restarted job resumes from the last
 one to the same parameters, bit for bit.
 
+The parts to copy, in order: 1. `setup` (join the job, make the mesh), 2.
+`batch` (this process's rows as global arrays), 3. the model, 4. `make_step`
+(`accumulate` in `jax.shard_map`), 5. `resume` and `save` (Orbax), 6. `train`.
+
     python examples/multihost.py                        # one process
     python examples/multihost.py --local-processes 2    # 2 processes, loopback
     python examples/multihost.py --distributed          # one per host: TPU pod
