@@ -77,7 +77,11 @@ CONFIGS = {
     False: {"width": 512, "depth": 4, "micro": 256, "k": 4, "rounds": 25},
     True: {"width": 64, "depth": 2, "micro": 32, "k": 4, "rounds": 1},
 }
-MULTI_ANCHOR, ONE_ANCHOR = "optax.MultiSteps", "hand-written scan"
+# Each group of variants: its anchor, and the name its ratios go by.
+ANCHORS = {
+    "k_calls": ("optax.MultiSteps", "optax"),
+    "one_call": ("hand-written scan", "scan"),
+}
 
 
 def _batch(rows: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -203,7 +207,7 @@ def run_layout(layout: Layout, cfg: dict, rounds: int) -> dict:
         result["max_relative_error_vs_reference"] = errors
         multi = _k_calls(layout, mesh, cfg, params, batches)
         one = _one_call(mesh, cfg["k"], grads_fns, params, whole)
-        groups = {"multi": multi, "one": one}
+        groups = {"k_calls": multi, "one_call": one}
         updates = {
             (g, n): e["update"]
             for g, group in groups.items()
@@ -212,15 +216,12 @@ def run_layout(layout: Layout, cfg: dict, rounds: int) -> dict:
         }
         times = harness.interleaved(updates, rounds)
     for g, group in groups.items():
-        _compare(
-            group,
-            {n: t for (gg, n), t in times.items() if gg == g},
-            *((MULTI_ANCHOR, "optax") if g == "multi" else (ONE_ANCHOR, "scan")),
-        )
+        own = {n: t for (gg, n), t in times.items() if gg == g}
+        _compare(group, own, *ANCHORS[g])
         for e in group.values():
             e.pop("update", None)
             e.pop("hlo", None)
-    result["k_calls"], result["one_call"] = multi, one
+    return {**result, **groups}
     return result
 
 
