@@ -10,17 +10,15 @@ step, and k calls of `optax_accum.accumulate` and of ``optax.MultiSteps``. Run
 ``python benchmarks/bench_microbatch.py`` (four 1024x1024 layers, micro-batch
 256, k = 16) or add ``--quick`` for a small config. `measure` returns the rows
 as data (``config=`` sets other sizes, as ``benchmarks/run.py --device``
-does), `markdown` renders them, ``run(quick)`` returns the Markdown.
+does), `markdown` renders them, ``--out PATH`` also writes them.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,11 +118,40 @@ def _compile(fun: Callable[..., Any], params: Any, state: Any, x: Any, y: Any) -
     return jax.jit(fun, donate_argnums=(0, 1)).lower(params, state, x, y).compile()
 
 
+def _time_update(
+    step: Any, per_micro: bool, state: Any, batch: tuple, micro_batches: list
+) -> harness.Timed:
+    """One update from a fresh copy of ``state``: one call or k calls."""
+
+    def run(inputs):
+        p, s = inputs
+        for xi, yi in micro_batches if per_micro else [batch]:
+            p, s = step(p, s, xi, yi)
+        return p, s
+
+    return harness.Timed(run, lambda: jax.tree.map(jnp.copy, state))
+
+
 def _memory(compiled: Any) -> dict[str, int]:
-    return {
-        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-        "peak_bytes": optax_accum.compiled_memory_bytes(compiled),
-    }
+    mem = harness.compiled_memory(compiled)
+    return {"temp_bytes": mem["temp"], "peak_bytes": mem["peak"]}
+
+
+def _k_rows(
+    k: int, micro: int, width: int, params: Any, state: Any, memory: dict
+) -> list:
+    """The fused step's memory against k, at a fixed micro-batch."""
+    rows = []
+    for kk in sorted({max(1, k // 4), k}):
+        if kk == k:
+            mem = memory[FUSED]
+        else:
+            fn = _variants(kk, micro)[FUSED][0]
+            shape = jax.ShapeDtypeStruct((kk * micro, width), jnp.float32)
+            labels = jax.ShapeDtypeStruct((kk * micro,), jnp.int32)
+            mem = _memory(_compile(fn, params, state, shape, labels))
+        rows.append({"k": kk, **mem})
+    return rows
 
 
 def measure(
@@ -142,10 +169,8 @@ def measure(
         entry of `CONFIGS`.
       log: called with a line of progress (default: silent).
     """
-    cfg = dict(config if config is not None else CONFIGS["quick" if quick else "cpu"])
-    if rounds:
-        cfg["rounds"] = rounds
-    width, k, micro, rounds = cfg["width"], cfg["k"], cfg["micro"], cfg["rounds"]
+    cfg = harness.cli.sizes(CONFIGS, quick, config, rounds=rounds)
+    width, k, micro = cfg["width"], cfg["k"], cfg["micro"]
     log = log or (lambda _: None)
     keys = jax.random.split(jax.random.key(0), cfg["layers"] + 2)
     params = [
@@ -161,75 +186,42 @@ def measure(
 
     variants = _variants(k, micro)
     states = {name: _init_state(name, k, params) for name in variants}
-    compiled, memory = {}, {}
+    updates, memory = {}, {}
     for name, (fn, per_micro) in variants.items():
         xs, ys = micro_batches[0] if per_micro else (x, y)
-        compiled[name] = _compile(fn, params, states[name], xs, ys)
-        memory[name] = _memory(compiled[name])
-    log(f"compiled {len(compiled)} variants")
-
-    def time_one(name: str) -> float:
-        step, per_micro = compiled[name], variants[name][1]
-        p, s = jax.tree.map(jnp.copy, (params, states[name]))
-        jax.block_until_ready((p, s))
-        start = time.perf_counter()
-        if per_micro:
-            for xi, yi in micro_batches:
-                p, s = step(p, s, xi, yi)
-        else:
-            p, s = step(p, s, x, y)
-        jax.block_until_ready((p, s))
-        return time.perf_counter() - start
-
-    for name in variants:  # warm up
-        time_one(name)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name in variants:
-            times[name].append(time_one(name))
-    log(f"timed {rounds} rounds")
+        compiled = _compile(fn, params, states[name], xs, ys)
+        memory[name] = _memory(compiled)
+        updates[name] = _time_update(
+            compiled, per_micro, (params, states[name]), (x, y), micro_batches
+        )
+    log(f"compiled {len(updates)} variants")
+    times = harness.interleaved(updates, cfg["rounds"])
+    log(f"timed {cfg['rounds']} rounds")
 
     rows = [
         {
             "variant": name,
             "calls_per_update": k if variants[name][1] else 1,
-            "time_per_update_s": statistics.median(times[name]),
-            "time_vs_fused": statistics.median(
-                t / f for t, f in zip(times[name], times[FUSED], strict=True)
-            ),
+            "time_per_update_s": harness.median(times[name]),
+            "time_vs_fused": ratio.median,
+            "time_vs_fused_iqr": [ratio.q25, ratio.q75],
             **memory[name],
         }
-        for name in variants
+        for name, ratio in harness.ratios(times, FUSED).items()
     ]
-    # The fused step's memory against k, at a fixed micro-batch.
-    k_rows = []
-    for kk in sorted({max(1, k // 4), k}):
-        if kk == k:
-            mem = memory[FUSED]
-        else:
-            fn = _variants(kk, micro)[FUSED][0]
-            shape = jax.ShapeDtypeStruct((kk * micro, width), jnp.float32)
-            labels = jax.ShapeDtypeStruct((kk * micro,), jnp.int32)
-            mem = _memory(_compile(fn, params, states[FUSED], shape, labels))
-        k_rows.append({"k": kk, **mem})
-
-    n_params = sum(v.size for v in jax.tree.leaves(params))
+    k_rows = _k_rows(k, micro, width, params, states[FUSED], memory)
     device = jax.devices()[0]
     return {
         "benchmark": "bench_microbatch",
         "config": cfg,
-        "params": int(n_params),
+        "params": int(sum(v.size for v in jax.tree.leaves(params))),
         "optimizer": "adam(1e-3)",
         "backend": jax.default_backend(),
         "device": getattr(device, "device_kind", str(device)),
-        "compilations": len(compiled) + len(k_rows) - 1,
+        "compilations": len(updates) + len(k_rows) - 1,
         "rows": rows,
         "k_rows": k_rows,
     }
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -237,46 +229,38 @@ def markdown(data: dict[str, Any]) -> str:
     cfg = data["config"]
     width = cfg["width"]
     fused = next(r for r in data["rows"] if r["variant"] == FUSED)
-    lines = [
+    head = (
         f"MLP {cfg['layers']}x{width}x{width} ({data['params'] / 1e6:.1f}M params), "
         f"micro-batch {cfg['micro']}, k = {cfg['k']}, {data['optimizer']}; "
         f"{data['device']} ({data['backend']}), median of {cfg['rounds']} "
         f"interleaved rounds (fused step: {fused['time_per_update_s'] * 1e3:.1f} "
         "ms per update). Memory: compiled, of one call (peak = argument + output "
-        "- alias + temp; one micro-batch for the k-call variants).",
-        "",
-        "| variant | time / fused | temp memory (MiB) | peak memory (MiB) |",
-        "|---|---:|---:|---:|",
-    ]
-    for r in data["rows"]:
-        lines.append(
-            f"| {r['variant']} | {r['time_vs_fused']:.3f} | {_mib(r['temp_bytes'])} "
-            f"| {_mib(r['peak_bytes'])} |"
-        )
-    lines += [
-        "",
-        "| k (micro-batch fixed) | fused temp memory (MiB) | fused peak (MiB) |",
-        "|---:|---:|---:|",
-    ]
-    for r in data["k_rows"]:
-        lines.append(
-            f"| {r['k']} | {_mib(r['temp_bytes'])} | {_mib(r['peak_bytes'])} |"
-        )
-    return "\n".join(lines)
-
-
-def run(quick: bool = False, rounds: int | None = None) -> str:
-    """Runs the benchmark and returns the Markdown tables."""
-    return markdown(measure(quick, rounds))
+        "- alias + temp; one micro-batch for the k-call variants)."
+    )
+    mib = harness.mib
+    variants = harness.table(
+        ["variant", "time / fused", "temp memory (MiB)", "peak memory (MiB)"],
+        (
+            [
+                r["variant"],
+                f"{r['time_vs_fused']:.3f}",
+                mib(r["temp_bytes"]),
+                mib(r["peak_bytes"]),
+            ]
+            for r in data["rows"]
+        ),
+        "lrrr",
+    )
+    by_k = harness.table(
+        ["k (micro-batch fixed)", "fused temp memory (MiB)", "fused peak (MiB)"],
+        ([r["k"], mib(r["temp_bytes"]), mib(r["peak_bytes"])] for r in data["k_rows"]),
+        "rrr",
+    )
+    return "\n".join([head, "", *variants, "", *by_k])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small config")
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args(argv)
-    print(run(quick=args.quick, rounds=args.rounds))
-    return 0
+    return harness.script_main("bench_microbatch", __doc__, measure, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -139,70 +139,57 @@ def reference(params, xs, ys):
     return params
 
 
-def main(argv=None) -> int:
-    args = ARGS.parse_args(argv)
-    if args.devices:
-        jax.config.update("jax_num_cpu_devices", args.devices)  # before JAX starts
-        jax.config.update("jax_platforms", "cpu")
-    shape, axes, batch, stored, _ = LAYOUTS[args.layout]
-    pure = tuple(a for a in batch if all(a not in s for s in stored.values()))
-    if args.defer and (args.face != "accumulate" or not pure):
-        ARGS.error("--defer needs --face accumulate and a pure data axis (not fsdp)")
-    mesh = jax.make_mesh(shape, axes)  # Explicit axes by default
-    params0, xs, ys = data(args.updates, args.k)
-    opt = optimizer()
+def train_accumulate(args, params, xs, ys, batch, place_rows):
+    """k jit calls per update of a step with `optax_accum.accumulate`."""
+    tx = optax_accum.accumulate(
+        optimizer(), args.k, data_axes=batch if args.defer else None
+    )
+    loss = sharded_loss(args.layout, deferred=args.defer)
 
-    with jax.set_mesh(mesh):
-        params = {n: jax.device_put(v, stored[n]) for n, v in params0.items()}
-        place_rows = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch)))
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, s, x, y):
+        q = optax_accum.defer_reduction(p, batch) if args.defer else p
+        updates, s = tx.update(jax.grad(loss)(q, x, y), s, p)
+        return optax.apply_updates(p, updates), s
 
-        if args.face == "accumulate":
-            tx = optax_accum.accumulate(
-                opt, args.k, data_axes=batch if args.defer else None
-            )
-            loss = sharded_loss(args.layout, deferred=args.defer)
+    # Explicit mesh: the state is sharded like the parameters. Under an
+    # Auto mesh pass out_shardings=optax_accum.state_shardings(tx, params).
+    state = jax.jit(tx.init)(params)
+    for x, y in zip(xs, ys, strict=True):
+        for xm, ym in zip(
+            x.reshape(args.k, -1, D_IN), y.reshape(args.k, -1, D_OUT), strict=True
+        ):
+            params, state = step(params, state, place_rows(xm), place_rows(ym))
+    return params, state.accumulator, "accumulator"
 
-            @functools.partial(jax.jit, donate_argnums=(0, 1))
-            def step(p, s, x, y):
-                q = optax_accum.defer_reduction(p, batch) if args.defer else p
-                updates, s = tx.update(jax.grad(loss)(q, x, y), s, p)
-                return optax.apply_updates(p, updates), s
 
-            # Explicit mesh: the state is sharded like the parameters. Under an
-            # Auto mesh pass out_shardings=optax_accum.state_shardings(tx, params).
-            state = jax.jit(tx.init)(params)
-            for x, y in zip(xs, ys, strict=True):
-                for xm, ym in zip(
-                    x.reshape(args.k, -1, D_IN),
-                    y.reshape(args.k, -1, D_OUT),
-                    strict=True,
-                ):
-                    params, state = step(params, state, place_rows(xm), place_rows(ym))
-            buffers, label = state.accumulator, "accumulator"
-        else:
-            # The device-local loop over the pure data axes (one reduction
-            # after it), or the global view where every batch axis shards a
-            # parameter (FSDP: its gathers stay per micro-batch).
-            data_axes = pure or None
-            loss = sharded_loss(args.layout, manual=pure)
-            fun = optax_accum.microbatch(
-                jax.value_and_grad(loss), args.k, batch_argnums=(1, 2),
-                data_axes=data_axes,
-            )  # fmt: skip
+def train_microbatch(args, params, xs, ys, pure, place_rows):
+    """One jit call per update: `optax_accum.microbatch`, then the optimizer.
 
-            @functools.partial(jax.jit, donate_argnums=(0, 1))
-            def step(p, s, x, y):
-                _, grads = fun(p, x, y)
-                updates, s = opt.update(grads, s, p)
-                return optax.apply_updates(p, updates), s, grads
+    The device-local loop over the pure data axes (one reduction after it),
+    or the global view where every batch axis shards a parameter (FSDP: its
+    gathers stay per micro-batch).
+    """
+    data_axes, opt = pure or None, optimizer()
+    loss = sharded_loss(args.layout, manual=pure)
+    fun = optax_accum.microbatch(
+        jax.value_and_grad(loss), args.k, batch_argnums=(1, 2), data_axes=data_axes
+    )
 
-            state = jax.jit(opt.init)(params)
-            for x, y in zip(xs, ys, strict=True):
-                params, state, grads = step(params, state, place_rows(x), place_rows(y))
-            buffers, label = grads, f"gradients (data_axes={data_axes!r})"
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, s, x, y):
+        _, grads = fun(p, x, y)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, grads
 
-    expected = jax.device_get(reference(params0, xs, ys))
-    print(f"layout {args.layout}: mesh {dict(mesh.shape)}, face {args.face}")
+    state = jax.jit(opt.init)(params)
+    for x, y in zip(xs, ys, strict=True):
+        params, state, grads = step(params, state, place_rows(x), place_rows(y))
+    return params, grads, f"gradients (data_axes={data_axes!r})"
+
+
+def report(params, buffers, label: str, expected) -> bool:
+    """Prints each parameter's and buffer's layout; whether they match."""
     print(f"{'param':6} {'param spec':24} {label + ' spec':30} bytes/device")
     for n, p in params.items():
         b = buffers[n]
@@ -216,7 +203,29 @@ def main(argv=None) -> int:
     scale = max(np.max(np.abs(v)) for v in expected.values())
     print(f"max abs difference vs one device, full batch: {diff:.2e}")
     print(f"relative to the largest parameter: {diff / scale:.2e} (limit 1e-5)")
-    return 0 if diff <= 1e-5 * scale else 1
+    return diff <= 1e-5 * scale
+
+
+def main(argv=None) -> int:
+    args = ARGS.parse_args(argv)
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before JAX starts
+        jax.config.update("jax_platforms", "cpu")
+    shape, axes, batch, stored, _ = LAYOUTS[args.layout]
+    pure = tuple(a for a in batch if all(a not in s for s in stored.values()))
+    if args.defer and (args.face != "accumulate" or not pure):
+        ARGS.error("--defer needs --face accumulate and a pure data axis (not fsdp)")
+    mesh = jax.make_mesh(shape, axes)  # Explicit axes by default
+    params0, xs, ys = data(args.updates, args.k)
+    with jax.set_mesh(mesh):
+        params = {n: jax.device_put(v, stored[n]) for n, v in params0.items()}
+        place_rows = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch)))
+        if args.face == "accumulate":
+            out = train_accumulate(args, params, xs, ys, batch, place_rows)
+        else:
+            out = train_microbatch(args, params, xs, ys, pure, place_rows)
+    print(f"layout {args.layout}: mesh {dict(mesh.shape)}, face {args.face}")
+    return 0 if report(*out, jax.device_get(reference(params0, xs, ys))) else 1
 
 
 if __name__ == "__main__":

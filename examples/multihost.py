@@ -10,6 +10,10 @@ step. Each process loads only its own rows of every micro-batch. With
 middle of an accumulation window), and a restarted job resumes from the last
 one to the same parameters, bit for bit.
 
+The parts to copy, in order: 1. `setup` (join the job, make the mesh), 2.
+`batch` (this process's rows as global arrays), 3. the model, 4. `make_step`
+(`accumulate` in `jax.shard_map`), 5. `resume` and `save` (Orbax), 6. `train`.
+
     python examples/multihost.py                        # one process
     python examples/multihost.py --local-processes 2    # 2 processes, loopback
     python examples/multihost.py --distributed          # one per host: TPU pod
@@ -26,9 +30,14 @@ import shutil
 import signal
 import sys
 import time
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 import optax_accum.distributed
@@ -162,7 +171,11 @@ def rows(start: int, stop: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype(np.float32)
 
 
-def train(args: argparse.Namespace) -> None:
+# ------------------------------------------------------------ 1. setup
+
+
+def setup(args: argparse.Namespace) -> Mesh:
+    """Joins the job (several processes) and makes a data-parallel mesh."""
     launched = "OPTAX_ACCUM_PROCESS_ID" in os.environ  # set by launch_local
     if launched or args.distributed:
         optax_accum.distributed.initialize_distributed(
@@ -170,44 +183,65 @@ def train(args: argparse.Namespace) -> None:
         )
     else:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    pid, nproc = jax.process_index(), jax.process_count()
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    log(
+        f"{jax.process_count()} process(es), {jax.device_count()} devices, "
+        f"mesh {dict(mesh.shape)}"
+    )
+    return mesh
+
+
+def log(*args: object) -> None:
+    """Prints on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args)
+
+
+# ------------------------------------------------------------- 2. data
+
+
+def batch(mesh: Mesh, micro_batch: int, m: int) -> tuple[jax.Array, jax.Array]:
+    """Micro-batch ``m`` as global arrays, built from this process's rows only."""
     data = NamedSharding(mesh, P("data"))
-    log = print if pid == 0 else (lambda *a, **k: None)
-    log(f"{nproc} process(es), {jax.device_count()} devices, mesh {dict(mesh.shape)}")
+    shape = (micro_batch, D)
+    idx = data.addressable_devices_indices_map(shape).values()
+    lo = min(i[0].start or 0 for i in idx)
+    hi = max(shape[0] if i[0].stop is None else i[0].stop for i in idx)
+    x, y = rows(m * shape[0] + lo, m * shape[0] + hi)
+    return (
+        jax.make_array_from_process_local_data(data, x, shape),
+        jax.make_array_from_process_local_data(data, y, (shape[0], 1)),
+    )
 
-    def batch(m: int) -> tuple[jax.Array, jax.Array]:
-        """Micro-batch ``m``, built from this process's rows only."""
-        shape = (args.micro_batch, D)
-        idx = data.addressable_devices_indices_map(shape).values()
-        lo = min(i[0].start or 0 for i in idx)
-        hi = max(shape[0] if i[0].stop is None else i[0].stop for i in idx)
-        x, y = rows(m * shape[0] + lo, m * shape[0] + hi)
-        return (
-            jax.make_array_from_process_local_data(data, x, shape),
-            jax.make_array_from_process_local_data(data, y, (shape[0], 1)),
-        )
 
-    def init_params() -> dict[str, jax.Array]:
-        k1, k2 = jax.random.split(jax.random.key(0))
-        return {
-            "w1": jax.random.normal(k1, (D, H)) / np.sqrt(D),
-            "b1": jnp.zeros(H),
-            "w2": jax.random.normal(k2, (H, 1)) / np.sqrt(H),
-            "b2": jnp.zeros(1),
-        }
+# ------------------------------------------------------------ 3. model
 
-    def loss_fn(p, x, y):
-        pred = jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-        return jnp.mean((pred - y) ** 2)
 
-    tx = optax_accum.accumulate(optax.adam(args.lr), args.k, axis_name="data")
+def init_params() -> dict[str, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (D, H)) / np.sqrt(D),
+        "b1": jnp.zeros(H),
+        "w2": jax.random.normal(k2, (H, 1)) / np.sqrt(H),
+        "b2": jnp.zeros(1),
+    }
+
+
+def loss_fn(p: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+    pred = jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return jnp.mean((pred - y) ** 2)
+
+
+# ------------------------------------------------------------- 4. step
+
+
+def make_step(mesh: Mesh, lr: float, k: int):
+    """``(params, opt_state, step)``: `accumulate` inside `jax.shard_map`.
+
+    Each device accumulates its own gradients; the devices all-reduce once
+    per update, in the boundary step.
+    """
+    tx = optax_accum.accumulate(optax.adam(lr), k, axis_name="data")
     params = jax.jit(init_params, out_shardings=NamedSharding(mesh, P()))()
     specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "data")
 
@@ -219,78 +253,106 @@ def train(args: argparse.Namespace) -> None:
         return optax.apply_updates(p, u), s, loss[None]  # local loss, no psum
 
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-    step = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), specs, P("data"), P("data")),
-            out_specs=(P(), specs, P("data")),
-        ),
-        donate_argnums=(0, 1),
+    step = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data"), P("data")),
+        out_specs=(P(), specs, P("data")),
     )
-    opt_state = init(params)
+    return params, init(params), jax.jit(step, donate_argnums=(0, 1))
 
-    start, manager = 0, None
+
+# ------------------------------------------------- 5. checkpoint, resume
+
+
+def resume(manager, params, opt_state, k: int) -> tuple[Any, Any, int]:
+    """The latest checkpoint's params, state and micro-step, or the given ones."""
+    import orbax.checkpoint as ocp
+
+    latest = manager.latest_step()
+    if latest is None:
+        return params, opt_state, 0
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        {"params": params, "opt_state": opt_state},
+    )
+    restored = manager.restore(latest, args=ocp.args.StandardRestore(target))
+    log(f"resumed from micro-step {latest} (window position {latest % k})")
+    return restored["params"], restored["opt_state"], latest
+
+
+def save(manager, directory: str, m: int, params, opt_state) -> None:
+    """Micro-step ``m``'s checkpoint, if the manager's interval says so."""
+    import orbax.checkpoint as ocp
+
+    state = {"params": params, "opt_state": opt_state}
+    if manager.save(m, args=ocp.args.StandardSave(state)):
+        empty_trash(directory)
+
+
+# ------------------------------------------------------------ 6. train
+
+
+def fault_drill(args: argparse.Namespace, m: int) -> None:
+    """``--crash-at``: the last process kills itself after micro-step ``m``."""
+    if args.crash_at == m and jax.process_index() == jax.process_count() - 1:
+        print(
+            f"process {jax.process_index()}: fault drill, SIGKILL after micro-step {m}"
+        )
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def collective_failed(e: Exception, m: int, manager) -> None:
+    """A peer died or hung: say how to resume, and exit at once."""
+    last = manager.latest_step() if manager is not None else None
+    print(
+        f"process {jax.process_index()}: a collective failed at micro-step {m}: "
+        f"{str(e).splitlines()[0]}\nAnother process has probably died or hung. "
+        f"Restart all processes; training resumes from the last checkpoint "
+        f"(micro-step {last}).",
+        file=sys.stderr,
+        flush=True,
+    )
+    # Skip the exit-time shutdown barrier, which would wait for the dead.
+    os._exit(3)
+
+
+def train(args: argparse.Namespace) -> None:
+    mesh = setup(args)
+    params, opt_state, step = make_step(mesh, args.lr, args.k)
+    manager, start = None, 0
     if args.ckpt_dir:
-        import orbax.checkpoint as ocp
-
         manager = checkpoint_manager(
             args.ckpt_dir,
             save_interval_steps=args.save_every,
             max_to_keep=2,
             enable_async_checkpointing=False,
         )
-        if (latest := manager.latest_step()) is not None:
-            target = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                {"params": params, "opt_state": opt_state},
-            )
-            restored = manager.restore(latest, args=ocp.args.StandardRestore(target))
-            params, opt_state, start = restored["params"], restored["opt_state"], latest
-            log(f"resumed from micro-step {start} (window position {start % args.k})")
-
-    total = args.steps * args.k
-    crash_process = nproc - 1
-    t_first = t_last = None
-    m = start
+        params, opt_state, start = resume(manager, params, opt_state, args.k)
+    times, m = [], start
     try:
-        for m in range(start, total):
-            params, opt_state, loss = step(params, opt_state, *batch(m))
+        for m in range(start, args.steps * args.k):
+            params, opt_state, loss = step(
+                params, opt_state, *batch(mesh, args.micro_batch, m)
+            )
             if manager is not None:
-                state = {"params": params, "opt_state": opt_state}
-                if manager.save(m + 1, args=ocp.args.StandardSave(state)):
-                    empty_trash(args.ckpt_dir)
+                save(manager, args.ckpt_dir, m + 1, params, opt_state)
             if (m + 1) % args.k == 0:
                 local = np.mean([np.asarray(s.data) for s in loss.addressable_shards])
                 jax.block_until_ready(params)
-                t_last = time.perf_counter()
-                t_first = t_first or t_last
+                times.append(time.perf_counter())
                 log(f"update {(m + 1) // args.k}: local micro-batch loss {local:.4f}")
-            if args.crash_at == m + 1 and pid == crash_process:
-                print(f"process {pid}: fault drill, SIGKILL after micro-step {m + 1}")
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+            fault_drill(args, m + 1)
     except jax.errors.JaxRuntimeError as e:
-        last = manager.latest_step() if manager is not None else None
-        print(
-            f"process {pid}: a collective failed at micro-step {m + 1}: "
-            f"{str(e).splitlines()[0]}\nAnother process has probably died or hung. "
-            f"Restart all processes; training resumes from the last checkpoint "
-            f"(micro-step {last}).",
-            file=sys.stderr,
-            flush=True,
-        )
-        # Skip the exit-time shutdown barrier, which would wait for the dead.
-        os._exit(3)
-
-    updates = (total - start) // args.k
-    if t_first is not None and updates > 1:
-        per_update = (t_last - t_first) / (updates - 1)
+        collective_failed(e, m + 1, manager)
+    if len(times) > 1:
+        per_update = (times[-1] - times[0]) / (len(times) - 1)
         log(f"time per update: {1e3 * per_update:.2f} ms (after the first update)")
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
-    if args.out and pid == 0:
+    if args.out and jax.process_index() == 0:
         np.savez(
             args.out,
             **{k: np.asarray(v.addressable_data(0)) for k, v in params.items()},

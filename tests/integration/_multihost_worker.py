@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import sys
 
 import jax
@@ -31,8 +30,14 @@ import numpy as np  # noqa: E402
 # for `tests.helpers`.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 import optax_accum  # noqa: E402
 from optax_accum.distributed import ENV_COORDINATOR, ENV_PROCESS_ID  # noqa: E402
+from tests.helpers import hlo as _hlo  # noqa: E402
 
 NUM_PROCESSES = 2
 D, H = 8, 16  # input features, hidden units
@@ -42,7 +47,11 @@ UPDATES = 3
 LR = 0.05
 
 
-def main(out_dir: str) -> None:
+# ------------------------------------------------------------- setup, data
+
+
+def join() -> int:
+    """Joins the 2-process job; this process's index."""
     pid = int(os.environ[ENV_PROCESS_ID])
     optax_accum.distributed.initialize_distributed(
         coordinator_address=os.environ[ENV_COORDINATOR],
@@ -51,17 +60,12 @@ def main(out_dir: str) -> None:
         failure_timeout_s=30,
         initialization_timeout=30,
     )
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     assert jax.process_count() == 2 and jax.device_count() == 4
-    mesh = jax.make_mesh((4,), ("d",))
-    rows_sharding = NamedSharding(mesh, P("d"))
-    replicated = NamedSharding(mesh, P())
+    return pid
 
-    # Every process can see the whole (tiny) data set, but feeds only its rows.
+
+def data() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The whole (tiny) data set and the initial parameters, on every process."""
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(UPDATES * K * MICRO, D)).astype(np.float32)
     ys = np.sin(xs.sum(1, keepdims=True)).astype(np.float32)
@@ -71,53 +75,67 @@ def main(out_dir: str) -> None:
         "w2": (rng.normal(size=(H, 1)) / np.sqrt(H)).astype(np.float32),
         "b2": np.zeros(1, np.float32),
     }
+    return xs, ys, params0
 
-    def mlp(p, x):
-        return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
-    def loss(p, batch):
-        x, y = batch
-        return jnp.mean((mlp(p, x) - y) ** 2)
+def own_rows(mesh, global_rows: np.ndarray) -> jax.Array:
+    """The global array of ``global_rows``, built from this process's rows."""
+    rows_sharding = NamedSharding(mesh, P("d"))
+    shape = global_rows.shape
+    idx = rows_sharding.addressable_devices_indices_map(shape).values()
+    lo = min(i[0].start or 0 for i in idx)
+    hi = max(shape[0] if i[0].stop is None else i[0].stop for i in idx)
+    local = global_rows[lo:hi]
+    return jax.make_array_from_process_local_data(rows_sharding, local, shape)
 
-    def own_rows(global_rows: np.ndarray) -> jax.Array:
-        """The global array of ``global_rows``, built from this process's rows."""
-        shape = global_rows.shape
-        idx = rows_sharding.addressable_devices_indices_map(shape).values()
-        lo = min(i[0].start or 0 for i in idx)
-        hi = max(shape[0] if i[0].stop is None else i[0].stop for i in idx)
-        local = global_rows[lo:hi]
-        return jax.make_array_from_process_local_data(rows_sharding, local, shape)
 
-    def replicate(tree):
-        return jax.tree.map(
-            lambda a: jax.make_array_from_process_local_data(
-                replicated, np.asarray(a), np.shape(a)
-            ),
-            tree,
-        )
+def replicate(mesh, tree):
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(
+            replicated, np.asarray(a), np.shape(a)
+        ),
+        tree,
+    )
 
-    def update_rows(u: int) -> slice:
-        return slice(u * K * MICRO, (u + 1) * K * MICRO)
 
-    # Reference: full-batch Adam on one local device, no collectives.
+def update_rows(u: int) -> slice:
+    return slice(u * K * MICRO, (u + 1) * K * MICRO)
+
+
+def micro_rows(m: int) -> slice:
+    return slice(m * MICRO, (m + 1) * MICRO)
+
+
+def loss(p, batch):
+    x, y = batch
+    pred = jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return jnp.mean((pred - y) ** 2)
+
+
+# ------------------------------------------------------------------- faces
+
+
+def reference(xs, ys, params0):
+    """Full-batch Adam on one local device, no collectives."""
     tx = optax.adam(LR)
     ref = jax.device_put(params0, jax.local_devices()[0])
     ref_state = tx.init(ref)
 
     @jax.jit
     def ref_step(p, s, x, y):
-        g = jax.grad(loss)(p, (x, y))
-        u, s = tx.update(g, s, p)
+        u, s = tx.update(jax.grad(loss)(p, (x, y)), s, p)
         return optax.apply_updates(p, u), s
 
     for u in range(UPDATES):
         ref, ref_state = ref_step(
             ref, ref_state, xs[update_rows(u)], ys[update_rows(u)]
         )
-    results = {"reference": ref}
-    counts = {}
+    return ref
 
-    # (1) accumulate inside shard_map, one call per micro-batch.
+
+def accumulate_face(mesh, xs, ys, params0):
+    """`accumulate` inside shard_map, one call per micro-batch."""
     acc = optax_accum.accumulate(optax.adam(LR), K, axis_name="d")
     specs = optax_accum.state_specs(jax.eval_shape(acc.init, params0), "d")
 
@@ -135,18 +153,22 @@ def main(out_dir: str) -> None:
             out_specs=(P(), specs),
         )
     )
-    p = replicate(params0)
+    p = replicate(mesh, params0)
     s = init(p)
     for m in range(UPDATES * K):
-        rows = slice(m * MICRO, (m + 1) * MICRO)
-        p, s = step(p, s, own_rows(xs[rows]), own_rows(ys[rows]))
-    results["accumulate"] = p
-    counts["accumulate"] = _all_reduces(
-        step.lower(p, s, own_rows(xs[:MICRO]), own_rows(ys[:MICRO])).compile()
-    )
+        p, s = step(
+            p, s, own_rows(mesh, xs[micro_rows(m)]), own_rows(mesh, ys[micro_rows(m)])
+        )
+    one = (own_rows(mesh, xs[:MICRO]), own_rows(mesh, ys[:MICRO]))
+    return p, _all_reduces(step.lower(p, s, *one).compile())
 
-    # (2) microbatch under jit, the whole update's batch sharded over 4 devices.
-    # Naming the data axis runs the device-local loop (the loss is a row mean).
+
+def microbatch_face(mesh, xs, ys, params0):
+    """`microbatch` under jit, the whole update's batch sharded over 4 devices.
+
+    Naming the data axis runs the device-local loop (the loss is a row mean).
+    """
+    tx = optax.adam(LR)
     vg = optax_accum.microbatch(jax.value_and_grad(loss), K, data_axes="d")
 
     @jax.jit
@@ -155,33 +177,34 @@ def main(out_dir: str) -> None:
         upd, s = tx.update(g, s, p)
         return optax.apply_updates(p, upd), s
 
+    def batch(u):
+        return own_rows(mesh, xs[update_rows(u)]), own_rows(mesh, ys[update_rows(u)])
+
     with jax.set_mesh(mesh):
-        p = replicate(params0)
+        p = replicate(mesh, params0)
         s = jax.jit(tx.init)(p)
         for u in range(UPDATES):
-            p, s = mb_step(
-                p, s, own_rows(xs[update_rows(u)]), own_rows(ys[update_rows(u)])
-            )
-        results["microbatch"] = p
-        counts["microbatch"] = _all_reduces(
-            mb_step.lower(
-                p, s, own_rows(xs[update_rows(0)]), own_rows(ys[update_rows(0)])
-            ).compile()
-        )
+            p, s = mb_step(p, s, *batch(u))
+        return p, _all_reduces(mb_step.lower(p, s, *batch(0)).compile())
 
-    # (3) the Flax nnx train step (microbatch inside), same MLP and data.
-    results["nnx"] = _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows)
 
-    # (4) HSDP: the data axis across the processes, FSDP within each.
-    hsdp, hsdp_counts = _hsdp(params0, loss, xs, ys, update_rows, ref)
+def main(out_dir: str) -> None:
+    pid = join()
+    mesh = jax.make_mesh((4,), ("d",))
+    xs, ys, params0 = data()
+    results, counts = {"reference": reference(xs, ys, params0)}, {}
+    results["accumulate"], counts["accumulate"] = accumulate_face(mesh, xs, ys, params0)
+    results["microbatch"], counts["microbatch"] = microbatch_face(mesh, xs, ys, params0)
+    # The Flax nnx train step (microbatch inside), same MLP and data.
+    results["nnx"] = _nnx(mesh, params0, xs, ys)
+    # HSDP: the data axis across the processes, FSDP within each.
+    hsdp, hsdp_counts = _hsdp(params0, xs, ys)
     results.update(hsdp)
     counts.update(hsdp_counts)
-
     # Baselines for the cost table of docs/guides/many_processes.md (compiled
     # only, not run).
-    counts.update(_baselines(mesh, params0, loss, own_rows, xs, ys, specs))
-
-    gather = jax.jit(lambda t: t, out_shardings=replicated)
+    counts.update(_baselines(mesh, params0, xs, ys))
+    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))
     flat = {
         f"{name}/{key}": np.asarray(
             (v if v.is_fully_replicated else gather(v)).addressable_data(0)
@@ -194,19 +217,43 @@ def main(out_dir: str) -> None:
     print(f"process {pid}: done", flush=True)
 
 
-def _hsdp(params0, loss, xs, ys, update_rows, reference):
+# ----------------------------------------------------- HSDP, nnx, baselines
+
+
+def _placed(compiled, keep) -> dict[str, int]:
+    """The collectives ``keep`` accepts: where they run, and their bytes.
+
+    ``every_call`` ones run on every call, ``in_cond`` ones only when a
+    ``lax.cond`` branch is taken (the boundary), ``in_loop`` ones once per
+    loop iteration; bytes are one call's worth of each.
+    """
+    comps, _ = _hlo.computations(compiled.as_text())
+    loops = _hlo.reachable(comps, _hlo.while_bodies(comps))
+    conds = _hlo.reachable(comps, _hlo.branch_roots(comps))
+    out = {}
+    for where, names in (
+        ("every_call", set(comps) - loops - conds),
+        ("in_cond", conds - loops),
+        ("in_loop", loops),
+    ):
+        found = [c for c in _hlo.collectives(comps, names, 4) if keep(c)]
+        out[where] = len(found)
+        out[f"{where}_bytes"] = sum(c[2] for c in found)
+    return out
+
+
+def _all_reduces(compiled) -> dict[str, int]:
+    return _placed(compiled, lambda c: c[0].startswith("all-reduce"))
+
+
+def _hsdp(params0, xs, ys):
     """``microbatch`` and ``accumulate`` on a (data=2 processes, fsdp=2) mesh.
 
     Weights are FSDP-sharded over "fsdp" and gathered in the loss; the batch
     rows are sharded over ("data", "fsdp"). Returns the trained parameters
     and, per face, the collectives that cross the data axis (count, bytes).
     """
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding, reshard
-    from jax.sharding import PartitionSpec as P
-
-    from tests.helpers import hlo as _hlo
+    from jax.sharding import reshard
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
     for i in range(2):  # the data axis is the process axis
@@ -229,23 +276,7 @@ def _hsdp(params0, loss, xs, ys, update_rows, reference):
         return jax.make_array_from_callback(a.shape, rows, lambda i: a[i])
 
     def crossing(compiled):
-        comps, _ = _hlo.computations(compiled.as_text())
-        loops = _hlo.reachable(comps, _hlo.while_bodies(comps))
-        conds = _hlo.reachable(comps, _hlo.branch_roots(comps))
-        out = {}
-        for where, names in (
-            ("in_loop", loops),
-            ("in_cond", conds - loops),
-            ("every_call", set(comps) - loops - conds),
-        ):
-            found = [
-                c
-                for c in _hlo.collectives(comps, names, 4)
-                if _hlo.crosses(c[1], mesh, "data")
-            ]
-            out[where] = len(found)
-            out[f"{where}_bytes"] = sum(c[2] for c in found)
-        return out
+        return _placed(compiled, lambda c: _hlo.crosses(c[1], mesh, "data"))
 
     tx = optax.adam(LR)
     results, counts = {}, {}
@@ -280,20 +311,17 @@ def _hsdp(params0, loss, xs, ys, update_rows, reference):
         p = place(params0)
         s = jax.jit(acc.init)(p)
         for m in range(UPDATES * K):
-            r = slice(m * MICRO, (m + 1) * MICRO)
+            r = micro_rows(m)
             p, s = acc_step(p, s, own(xs[r]), own(ys[r]))
         assert s.accumulator["w1"].sharding.spec == specs["w1"]
         results["hsdp_accumulate"] = p
         counts["hsdp_accumulate"] = crossing(
             acc_step.lower(p, s, own(xs[:MICRO]), own(ys[:MICRO])).compile()
         )
-    del jnp, reference
     return results, counts
 
 
-def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
-    import jax.numpy as jnp
-    import optax
+def _nnx(mesh, params0, xs, ys):
     from flax import nnx
 
     from optax_accum.flax import nnx_train_step
@@ -308,17 +336,17 @@ def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
 
     with jax.set_mesh(mesh):
         model = MLP(nnx.Rngs(0))
-        model.l1.kernel.set_value(replicate(params0["w1"]))
-        model.l1.bias.set_value(replicate(params0["b1"]))
-        model.l2.kernel.set_value(replicate(params0["w2"]))
-        model.l2.bias.set_value(replicate(params0["b2"]))
+        model.l1.kernel.set_value(replicate(mesh, params0["w1"]))
+        model.l1.bias.set_value(replicate(mesh, params0["b1"]))
+        model.l2.kernel.set_value(replicate(mesh, params0["w2"]))
+        model.l2.bias.set_value(replicate(mesh, params0["b2"]))
         optimizer = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param)
         # Host-created leaves (Adam's count) become replicated global arrays.
         opt_state = nnx.state(optimizer)
         nnx.update(
             optimizer,
             jax.tree.map(
-                lambda a: a if len(a.sharding.device_set) == 4 else replicate(a),
+                lambda a: a if len(a.sharding.device_set) == 4 else replicate(mesh, a),
                 opt_state,
             ),
         )
@@ -329,7 +357,7 @@ def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
         step = nnx.jit(nnx_train_step(loss_fn, K))
         for u in range(UPDATES):
             r = update_rows(u)
-            step(model, optimizer, own_rows(xs[r]), own_rows(ys[r]))
+            step(model, optimizer, own_rows(mesh, xs[r]), own_rows(mesh, ys[r]))
     return {
         "w1": model.l1.kernel.get_value(),
         "b1": model.l1.bias.get_value(),
@@ -338,11 +366,8 @@ def _nnx(mesh, params0, xs, ys, own_rows, replicate, update_rows):
     }
 
 
-def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
+def _baselines(mesh, params0, xs, ys):
     """All-reduce counts of MultiSteps with a per-micro-step pmean and of plain DP."""
-    import optax
-    from jax.sharding import PartitionSpec as P
-
     ms = optax.MultiSteps(optax.adam(LR), K)
     tx = optax.adam(LR)
 
@@ -361,7 +386,7 @@ def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
         return optax.apply_updates(p, upd), s
 
     p = jax.eval_shape(lambda: params0)
-    x, y = own_rows(xs[:MICRO]), own_rows(ys[:MICRO])
+    x, y = own_rows(mesh, xs[:MICRO]), own_rows(mesh, ys[:MICRO])
     out = {}
     for name, fn, t in (
         ("multisteps_pmean", ms_step, ms),
@@ -374,57 +399,6 @@ def _baselines(mesh, params0, loss, own_rows, xs, ys, acc_specs):
             )
         )
         out[name] = _all_reduces(sm.lower(p, s, x, y).compile())
-    return out
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_CALLEE = re.compile(
-    r"\b(branch_computations|true_computation|false_computation|body|condition|calls)"
-    r"=\{?([^}\s,]+(?:, %[^}\s,]+)*)\}?"
-)
-_ALL_REDUCE = re.compile(r"= (.*?) all-reduce(?:-start)?\(")
-_ARRAY = re.compile(r"(pred|[a-z]+)(\d*)\[([\d,]*)\]")
-
-
-def _all_reduces(compiled) -> dict[str, int]:
-    """All-reduces in compiled HLO: where they run and the bytes they reduce.
-
-    ``every_call`` ones run on every call, ``in_cond`` ones only when a
-    ``lax.cond`` branch is taken (the boundary), ``in_loop`` ones once per
-    loop iteration. ``bytes`` is the payload of one call's worth of each kind.
-    """
-    comps: dict[str, list[str]] = {}
-    entry = current = None
-    for line in compiled.as_text().splitlines():
-        if m := _COMPUTATION.match(line):
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None:
-            comps[current].append(line)
-    out = {"every_call": 0, "in_cond": 0, "in_loop": 0}
-    out.update({f"{k}_bytes": 0 for k in list(out)})
-
-    def visit(name: str, where: str) -> None:
-        for line in comps.get(name, []):
-            if m := _ALL_REDUCE.search(line):
-                size = 0
-                for kind, bits, dims in _ARRAY.findall(m.group(1)):
-                    n = int(np.prod([int(d) for d in dims.split(",") if d]))
-                    size += n * (1 if kind == "pred" else int(bits or 8) // 8)
-                out[where] += 1
-                out[f"{where}_bytes"] += size
-            for kind, names in _CALLEE.findall(line):
-                inner = where
-                if kind in ("body", "condition") and where == "every_call":
-                    inner = "in_loop"
-                elif kind != "calls" and kind != "body" and kind != "condition":
-                    inner = "in_cond" if where == "every_call" else where
-                for callee in names.split(", "):
-                    visit(callee.lstrip("%"), inner)
-
-    visit(entry, "every_call")
     return out
 
 

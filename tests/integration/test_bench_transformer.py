@@ -22,9 +22,14 @@ pytest.importorskip("flax")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+BENCHMARKS = ROOT / "benchmarks"
+
+
 def _load_bench():
+    if str(BENCHMARKS) not in sys.path:  # its harness and transformer/
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(
-        "_bench_transformer", ROOT / "benchmarks" / "bench_transformer.py"
+        "_bench_transformer", BENCHMARKS / "bench_transformer.py"
     )
     module = importlib.util.module_from_spec(spec)
     write_bytecode = sys.dont_write_bytecode
@@ -95,11 +100,15 @@ def test_tiny_run_reports_and_writes(tmp_path):
     assert "| none | f32 | `microbatch` |" in md
     assert md.count("\n|---") >= 4  # the grid, anchors, targets, plans
     stored = json.loads((tmp_path / "transformer_cpu.json").read_text())
-    assert stored == json.loads(json.dumps(data))
+    assert {k: stored[k] for k in data} == json.loads(json.dumps(data))
+    assert stored["command"].startswith("python ")
+    assert stored["environment"]["jax"] == data["jax"]
 
 
 def test_largest_batch_from_two_compiled_estimates():
-    bt = _load_bench()
+    _load_bench()
+    from transformer import largest_batch as bt
+
     # 100 bytes fixed, 10 per sequence: 995 bytes fit 89 sequences, 88 in 8s.
     points = [(8, 180), (2, 120), (4, 140)]
     assert bt.largest_batch(points, 995, multiple=8, max_batch=512) == 88
@@ -114,23 +123,26 @@ def test_planner_returns_the_plan_or_the_error():
     import jax
     import jax.numpy as jnp
 
-    bt = _load_bench()
+    _load_bench()
+    from transformer.largest_batch import planner
 
     def step(w, x):
         return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
 
     w = jnp.zeros((16, 32))
-    plan = bt._planner(step, w, None, jnp.zeros(16), 64, 40_000, 64)
+    plan = planner(step, w, None, jnp.zeros(16), 64, 40_000, 64)
     assert plan["microbatch_size"] >= 1
     assert plan["memory_bytes"] <= 40_000
-    assert "error" in bt._planner(step, w, None, jnp.zeros(16), 64, 10, 64)
+    assert "error" in planner(step, w, None, jnp.zeros(16), 64, 10, 64)
 
 
 def test_peak_workers_start_first_fit_within_the_pool():
-    bt = _load_bench()
-    assert bt._admissible([50, 30, 20], [60], 4, 100) == [1]
-    assert bt._admissible([50, 30, 20], [], 4, 100) == [0, 1, 2]
-    assert bt._admissible([50, 30, 20], [], 2, 100) == [0, 1]
-    assert bt._admissible([150, 10], [], 4, 100) == [0]  # alone, whatever its size
-    assert bt._admissible([150, 10], [], 4, None) == [0, 1]
-    assert bt._admissible([10], [1, 1], 2, None) == []
+    _load_bench()
+    from harness.peaks import admissible
+
+    assert admissible([50, 30, 20], [60], 4, 100) == [1]
+    assert admissible([50, 30, 20], [], 4, 100) == [0, 1, 2]
+    assert admissible([50, 30, 20], [], 2, 100) == [0, 1]
+    assert admissible([150, 10], [], 4, 100) == [0]  # alone, whatever its size
+    assert admissible([150, 10], [], 4, None) == [0, 1]
+    assert admissible([10], [1, 1], 2, None) == []
