@@ -317,10 +317,15 @@ def _engine_for(
     _skip.check(should_skip_update_fn, "should_skip_update_fn")
     data_axes = _checks.axis_names(data_axes, "data_axes") or ()
     adaptive = isinstance(every_k_schedule, _schedules.AdaptiveEveryK)
-    decay = ns.check_options(
-        noise_scale_decay, adaptive, reduction, "every_k_schedule", data_axes
+    _checks.needs_whole_gradients(
+        data_axes, {"should_skip_update_fn": should_skip_update_fn}
     )
-    allow = bool(allow_value_fn) or _schedules.is_static_one(every_k_schedule)
+    one = _schedules.is_static_one(every_k_schedule)
+    decay = ns.check_options(
+        noise_scale_decay, adaptive, reduction, "every_k_schedule", data_axes,
+        single=one, axis_name_option=False,
+    )  # fmt: skip
+    allow = bool(allow_value_fn) or one
     return Engine(
         inner=opt,
         k_of=_schedules.k_of(every_k_schedule, "every_k_schedule"),
