@@ -34,7 +34,11 @@ _ACCEPTED = tuple(
 
 
 def step_options(
-    loss_fn: Any, num_microbatches: Any, microbatch_kwargs: dict, helper: str
+    loss_fn: Any,
+    num_microbatches: Any,
+    microbatch_kwargs: dict,
+    helper: str,
+    has_aux: bool,
 ) -> tuple[dict, Options]:
     """A helper's arguments, checked at construction in ``helper``'s name;
     returns the keywords for `fused_loop` and their checked `Options`."""
@@ -55,7 +59,8 @@ def step_options(
             "takes `has_aux`, `loss_scaling` and these keywords of "
             f"`optax_accum.microbatch`: {', '.join(f'`{n}`' for n in _ACCEPTED)}."
         )
-    return kwargs, options(num_microbatches, stateful=True, **kwargs)
+    opts = options(num_microbatches, stateful=True, has_aux=has_aux, **kwargs)
+    return kwargs, opts
 
 
 def fused_loop(

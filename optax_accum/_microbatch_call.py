@@ -166,8 +166,10 @@ def _value_and_aux(out: Any, has_aux: bool) -> tuple:
     else:
         value, aux = out, None
     dtype = getattr(value, "dtype", None)
-    if jnp.shape(value) != () or dtype is None or not jnp.issubdtype(
-        dtype, jnp.floating
+    if (
+        jnp.shape(value) != ()
+        or dtype is None
+        or not jnp.issubdtype(dtype, jnp.floating)
     ):
         raise TypeError(
             "the loss must return a real floating scalar (as jax.grad requires), "

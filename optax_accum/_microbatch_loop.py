@@ -286,5 +286,3 @@ def _finish(carry: Carry, aux, how: Plan, shapes: Call, opts: Options, ctx: Cont
         scale, finite = carry.loss_scale
         scaled = ScaledGrads(None, None, scale, finite)
     return Loop(value, grads, aux, how.weights, carry.state, noise, scaled)
-
-

@@ -100,8 +100,10 @@ def nnx_train_step(
         step.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
-        ``data_axes``, ``noise_scale_decay``, passed to
-        `optax_accum.microbatch`.
+        ``data_axes``, ``aux_rows``, ``noise_scale_decay``, passed to
+        `optax_accum.microbatch_value_and_grad`. ``aux_rows`` declares
+        ``aux``'s row-wise leaves; a bool covers the sown intermediates too,
+        a pytree covers ``aux`` and leaves the sown ones statistics.
 
     Returns:
       ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which
@@ -127,8 +129,12 @@ def nnx_train_step(
       ()
     """
     microbatch_kwargs, opts = step_options(
-        loss_fn, num_microbatches, microbatch_kwargs, "nnx_train_step"
+        loss_fn, num_microbatches, microbatch_kwargs, "nnx_train_step", has_aux
     )
+    if opts.aux_rows is not None:  # the loop's aux is (aux, sown intermediates)
+        rows = opts.aux_rows
+        sown_rows = rows if isinstance(rows, bool) else False
+        microbatch_kwargs = {**microbatch_kwargs, "aux_rows": (rows, sown_rows)}
     noise = opts.decay is not None
 
     def step(model, optimizer, *batch, noise_scale=None, loss_scale=None, **opt_kwargs):
@@ -256,7 +262,7 @@ def linen_train_step(
     """
 
     microbatch_kwargs, opts = step_options(
-        loss_fn, num_microbatches, microbatch_kwargs, "linen_train_step"
+        loss_fn, num_microbatches, microbatch_kwargs, "linen_train_step", has_aux
     )
     noise = opts.decay is not None
 

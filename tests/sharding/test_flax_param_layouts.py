@@ -230,7 +230,15 @@ def test_nnx_embed_has_aux_device_local_on_explicit_mesh():
     with jax.set_mesh(mesh):
         model = EmbedNet(nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        step = nnx.jit(nnx_train_step(_embed_loss, K, has_aux=True, data_axes="data"))
+        step = nnx.jit(
+            nnx_train_step(
+                _embed_loss,
+                K,
+                has_aux=True,
+                data_axes="data",
+                aux_rows={"ce": True, "logits_mean": False},
+            )
+        )
         loss, aux = step(model, opt, *(jax.device_put(a, P("data")) for a in (ids, y)))
     assert aux["ce"].shape == (K, 64 // K) and aux["logits_mean"].shape == (K,)
     chex.assert_trees_all_close(
