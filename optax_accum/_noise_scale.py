@@ -224,7 +224,8 @@ def local_stats(state: NoiseScaleState | tuple) -> tuple:
 
 def boundary_stats(reduced_grads: Any, totals: tuple) -> tuple:
     """Scalars for `close`: summed ``(sq_sum, count, weight)`` and |G_big|^2."""
-    sq_sum, count, weight = (jnp.reshape(t, []) for t in totals)
+    # float32, as the statistics are kept (a float64 window's weight is not).
+    sq_sum, count, weight = (jnp.reshape(t, []).astype(jnp.float32) for t in totals)
     return sq_sum, count, weight, squared_norm(reduced_grads)
 
 

@@ -540,3 +540,27 @@ def test_state_can_be_donated_and_multisteps_adapts_k():
         _, state = update(g, state, params)
     # Pure noise around a zero mean: B_simple is large, so k goes to max_k.
     assert int(optax_accum.noise_scale(state).k) == 8
+
+
+@pytest.mark.parametrize("face", ["accumulate", "MultiSteps"])
+def test_float64_gradients_measure_as_float32_ones_do(face):
+    # oracle-1: the boundary's noise sums were float64 under x64, the hold
+    # branch's float32, and the lax.cond failed at trace time.
+    def run(dtype):
+        if face == "accumulate":
+            tx = optax_accum.accumulate(optax.sgd(1.0), 2, noise_scale_decay=0.5)
+        else:
+            tx = optax_accum.MultiSteps(
+                optax.sgd(1.0), 2, noise_scale_decay=0.5
+            ).gradient_transformation()
+        p = jnp.ones(3, dtype)
+        state = tx.init(p)
+        for g in ([1.0, 2.0, 0.5], [3.0, -1.0, 2.0], [0.0, 1.0, 1.0], [2.0, 2.0, 1.0]):
+            _, state = tx.update(jnp.asarray(g, dtype), state, p)
+        return optax_accum.noise_scale(state)
+
+    want = run(jnp.float32)
+    with jax.enable_x64(True):
+        got = run(jnp.float64)
+    assert int(got.windows) == 2
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
