@@ -176,8 +176,8 @@ def microbatch(
         ``last_trace``, ``b_small`` and ``b_big`` are this step's statistics.
         Batch sizes count rows (examples), or the ``weight_fn`` weights.
         Needs ``reduction="mean"`` and ``num_microbatches`` >= 2 (or several
-        devices with ``axis_name`` or ``data_axes``); ``num_microbatches=1``
-        alone is refused. Steps whose `ScaledGrads` are not ``finite`` (an
+        devices with ``axis_name``); ``num_microbatches=1`` otherwise is
+        refused. Steps whose `ScaledGrads` are not ``finite`` (an
         fp16 overflow, skipped by the caller) are not observed. In the
         global view each micro-batch's squared norm reads its reduced
         gradient, so on an accelerator that reduction stays in the loop;

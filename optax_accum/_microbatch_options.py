@@ -112,14 +112,12 @@ def options(
             "Pass either `axis_name` (inside shard_map/pmap) or `data_axes`, "
             f"not both: got axis_name={axis_name!r}, data_axes={data_axes!r}."
         )
-    # With `data_axes` the devices' parts are the small batches, as with
-    # `axis_name`: only one micro-batch on one device measures nothing.
     decay = ns.check_options(
         noise_scale_decay,
         False,
         reduction,
         "num_microbatches",
-        single=k == 1 and axis_name is None and axes is None,
+        single=k == 1 and axis_name is None,
     )
     _check_aux_rows(aux_rows, has_aux, axes)
     return Options(

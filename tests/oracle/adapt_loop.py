@@ -40,6 +40,8 @@ def _options(cell: Cell, flax: bool = False) -> dict[str, Any]:
         kw["axis_name"] = rt.AXIS
     if cell.mode == "data_axes":
         kw["data_axes"] = rt.AXIS
+        if cell.option == "has_aux":  # declared, never guessed from a shape
+            kw["aux_rows"] = {"rows": True, "feat": False}
     if not flax:
         kw.update(batch_argnums=(1, 2), has_aux=cell.option == "has_aux")
         if cell.option == "rng":

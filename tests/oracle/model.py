@@ -76,9 +76,11 @@ class SGD:
 
 
 class Adam:
-    """optax.adam's update: bias-corrected moments, ``eps`` outside the root."""
+    """optax.adam's update: bias-corrected moments, ``eps`` outside the root.
+    ``eps`` is 1e-4, as `runtime.inner` passes it: optax's 1e-8 is 0 in fp16,
+    where a zero gradient's update would be 0 / 0 without any accumulation."""
 
-    def __init__(self, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
+    def __init__(self, lr=0.1, b1=0.9, b2=0.999, eps=1e-4):
         self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
 
     def init(self, dim: tuple) -> Any:

@@ -76,7 +76,8 @@ def params(cell: Cell, w0: np.ndarray) -> dict:
 def inner(cell: Cell) -> optax.GradientTransformation:
     """SGD or Adam; with an integer parameter, masked off its float0
     gradient (as optax needs; `accumulate` passes it through)."""
-    tx = optax.sgd(0.5) if cell.inner == "sgd" else optax.adam(0.1)
+    # eps that fp16 can hold (see `model.Adam`).
+    tx = optax.sgd(0.5) if cell.inner == "sgd" else optax.adam(0.1, eps=1e-4)
     if cell.float0:
         tx = optax.masked(tx, {"w": True, "n": False})
     return tx
