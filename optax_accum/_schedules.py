@@ -80,8 +80,9 @@ def _checked_k(k: Any, name: str) -> jax.Array:
         raise TypeError(f"`{name}` must return an integer, got dtype {dtype}.")
     if np.ndim(k) != 0:
         raise ValueError(f"`{name}` must return a scalar, got shape {np.shape(k)}.")
-    if not isinstance(k, jax.core.Tracer):
-        _checks.positive_int(k, name)
+    constant = not isinstance(k, jax.core.Tracer)
+    if constant and _checks.positive_int(k, name) > _INT32_MAX:
+        raise ValueError(f"`{name}` must fit in int32, got {k}.")
     # A traced value below 1 is treated as 1.
     return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 

@@ -191,6 +191,13 @@ def test_warmup_refuses_ramps_beyond_int32(args, match):
         optax_accum.batch_size_warmup(*args)
 
 
+def test_a_schedule_returning_k_beyond_int32_is_refused():
+    tx = optax_accum.accumulate(optax.sgd(0.1), lambda step: 2**31)
+    params = {"w": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=r"`every_k\(step\)`.*int32"):
+        tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+
+
 def test_adaptive_max_k_beyond_int32_is_refused():
     with pytest.raises(ValueError, match=r"`max_k`.*int32"):
         optax_accum.adaptive_every_k(2, 2**31)
