@@ -289,7 +289,7 @@ plt.show()
 # here the square-root rule from 0.25 at one micro-batch.
 
 # %%
-every_k = optax_accum.adaptive_every_k(1, 16, init_k=2)
+every_k = optax_accum.adaptive_every_k(2, 16)  # min_k >= 2 on one device
 inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.25)
 tx_adaptive = optax_accum.accumulate(inner, every_k, noise_scale_decay=0.95)
 

@@ -9,6 +9,7 @@ package: a source checkout runs them with ``python benchmarks/run.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -30,6 +31,27 @@ def _int_at_least(low: int):
 
 
 _positive_int = _int_at_least(1)
+
+
+def _finite_float(low: float, *, inclusive: bool):
+    """A float ``> low`` (``>= low`` if ``inclusive``), finite."""
+    bound = f"{'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number, got {text!r}"
+            ) from None
+        ok = value >= low if inclusive else value > low
+        if not (math.isfinite(value) and ok):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number {bound}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,10 +84,16 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=_int_at_least(0), default=0, help="data order and initialisation"
     )
     demo.add_argument(
-        "--lr", type=float, default=1e-3, help="Adam learning rate at batch b"
+        "--lr",
+        type=_finite_float(0.0, inclusive=False),
+        default=1e-3,
+        help="Adam learning rate at batch b, > 0",
     )
     demo.add_argument(
-        "--tolerance", type=float, default=1e-4, help="max abs param diff"
+        "--tolerance",
+        type=_finite_float(0.0, inclusive=True),
+        default=1e-4,
+        help="max abs param diff, >= 0",
     )
     demo.add_argument("--out", default=".", help="folder for the PNG (default: cwd)")
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")

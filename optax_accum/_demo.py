@@ -39,6 +39,7 @@ REQUIREMENTS = {
     "matplotlib": "matplotlib",
 }
 INSTALL_HINT = 'pip install "optax_accum[examples]"'
+_DECAY = 0.9  # the noise scale's EMA in the `accumulate` run
 
 
 def missing_requirements() -> list[str]:
@@ -135,7 +136,10 @@ def run_demo(
         (f"small batch {b}", optax.adam(learning_rate), grad_fn, b, 1),
         (
             f"accumulate {k}x{b}",
-            accumulate(optax.adam(big_lr), k, noise_scale_decay=0.9),
+            # A window of one micro-batch on one device measures nothing.
+            accumulate(
+                optax.adam(big_lr), k, noise_scale_decay=_DECAY if k > 1 else None
+            ),
             grad_fn,
             b,
             k,
@@ -190,13 +194,26 @@ def _verdict(accumulated: list[RunResult], large: str, tolerance: float) -> int:
 
 
 def _noise_line(result: RunResult, batch: int) -> str:
-    (t0, start), (t1, end) = result.noise
+    """The noise-scale readings, early and at the end (one if they coincide)."""
+    if not result.noise:
+        return (
+            f"Gradient noise scale: not measured ({result.name}: a window of one "
+            "micro-batch measures nothing; use -k 2 or more)."
+        )
+    reads = [f"{b_simple:.0f} after update {t + 1}" for t, b_simple in result.noise]
+    reads[0] = reads[0].replace(" after", " examples after", 1)
     return (
-        f"Gradient noise scale B_simple ({result.name}, EMA 0.9): {start:.0f} "
-        f"examples after update {t0 + 1}, {end:.0f} after update {t1 + 1}; the "
-        f"batch is {batch}. It grows as the loss falls: a batch below it uses "
-        "each example well; one far above it buys little per example."
+        f"Gradient noise scale B_simple ({result.name}, EMA {_DECAY}): "
+        f"{', '.join(reads)}; the batch is {batch}. It grows as the loss "
+        "falls: a batch below it uses each example well; one far above it "
+        "buys little per example."
     )
+
+
+def _noise_reads(steps: int) -> list[int]:
+    """The updates after which the noise scale is read (each read waits for
+    the device): early, and at the end; once in a run of 5 updates or fewer."""
+    return sorted({min(max(steps // 10, 4), steps - 1), steps - 1})
 
 
 def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
@@ -219,8 +236,7 @@ def _train(name, tx, value_and_grad, params, xs, ys, size, calls, progress):
     steps = len(xs)
     losses, noise = [], []
     measures = _has_noise_scale(opt_state)
-    # Two reads only (each waits for the device): early, and at the end.
-    read_at = {min(max(steps // 10, 4), steps - 1), steps - 1} if measures else ()
+    read_at = _noise_reads(steps) if measures else ()
     start = time.perf_counter()
     for t in tqdm(range(steps), desc=f"{name:>18}", disable=not progress):
         for i in range(calls):

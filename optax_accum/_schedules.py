@@ -80,8 +80,9 @@ def _checked_k(k: Any, name: str) -> jax.Array:
         raise TypeError(f"`{name}` must return an integer, got dtype {dtype}.")
     if np.ndim(k) != 0:
         raise ValueError(f"`{name}` must return a scalar, got shape {np.shape(k)}.")
-    if not isinstance(k, jax.core.Tracer):
-        _checks.positive_int(k, name)
+    constant = not isinstance(k, jax.core.Tracer)
+    if constant and _checks.positive_int(k, name) > _INT32_MAX:
+        raise ValueError(f"`{name}` must fit in int32, got {k}.")
     # A traced value below 1 is treated as 1.
     return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
@@ -90,11 +91,29 @@ def k_of(every_k: EveryK, name: str) -> Callable[[jax.Array, Any], jax.Array]:
     """``(update_step, noise_state) -> k`` of the window that step opens; a
     schedule's value is checked in the caller's ``name`` for it."""
     if isinstance(every_k, AdaptiveEveryK):
-        return lambda update_step, noise: noise.k  # chosen by the noise scale
+        return lambda update_step, noise: _adaptive_k(every_k, noise, name)
     if callable(every_k):
         return lambda update_step, noise: _checked_k(every_k(update_step), name)
     k = int(np.asarray(every_k))
     return lambda update_step, noise: jnp.asarray(k, jnp.int32)
+
+
+def _adaptive_k(every_k: AdaptiveEveryK, noise: Any, name: str) -> jax.Array:
+    """The k the noise scale chose, once it is known that k can be measured.
+
+    Without ``axis_name`` the window sums have no device slot (``()``, see
+    `_devices.Devices.slot`): one device, where a window of one micro-batch
+    measures nothing. A k of 1 would then never be left again, so refuse it.
+    """
+    if every_k.min_k == 1 and jnp.ndim(noise.sq_sum) == 0:
+        raise ValueError(
+            f"`{name}`=adaptive_every_k(min_k=1, ...) on one device (no "
+            "`axis_name`): a window of one micro-batch measures no noise "
+            "scale, so k would stay at 1 for good. Use `min_k` >= 2, or "
+            "`axis_name` over two or more devices (they supply the small "
+            "batches)."
+        )
+    return noise.k  # chosen by the noise scale
 
 
 @renamed_arguments({"k_min": "min_k", "k_max": "max_k"})
@@ -124,11 +143,18 @@ def adaptive_every_k(
     `accumulate` (or ``every_k_schedule`` to `MultiSteps`) together with
     ``noise_scale_decay``.
 
+    A window is measured only if it holds two or more micro-batches with a
+    positive weight, over all devices. On one device (no ``axis_name``) that
+    means ``min_k`` >= 2: with ``min_k=1`` the first window of one
+    micro-batch would freeze the estimate, and k with it, so the first update
+    raises. With ``axis_name`` over ``N`` >= 2 devices a window of one
+    micro-batch per device measures, and ``min_k=1`` is fine.
+
     Args:
-      min_k: smallest k, an int >= 1.
+      min_k: smallest k, an int >= 1; >= 2 on one device.
       max_k: largest k, an int >= ``min_k``.
       init_k: k of the windows before the first estimate; ``min_k`` by
-        default. It must be >= 2 for a single device to measure anything.
+        default.
       never_decrease: if true, k never goes down.
 
     Returns:
@@ -136,8 +162,9 @@ def adaptive_every_k(
 
     Raises:
       TypeError: for non-integer ``min_k``, ``max_k`` or ``init_k``.
-      ValueError: for values below 1, ``min_k > max_k``, or ``init_k``
-        outside ``[min_k, max_k]``.
+      ValueError: for values below 1, ``max_k`` beyond int32, ``min_k >
+        max_k``, or ``init_k`` outside ``[min_k, max_k]``; at the first update,
+        for ``min_k=1`` on one device.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -150,6 +177,8 @@ def adaptive_every_k(
     """
     min_k = _checks.positive_int(min_k, "min_k")
     max_k = _checks.positive_int(max_k, "max_k")
+    if max_k > _INT32_MAX:
+        raise ValueError(f"`max_k` must fit in int32, got {max_k}.")
     if min_k > max_k:
         raise ValueError(
             f"`min_k` must be <= `max_k`, got min_k={min_k}, max_k={max_k}."
@@ -227,11 +256,42 @@ def batch_size_warmup(
                 f"got {value}."
             )
     k0, k1 = init // micro, final // micro
+    _check_ramp(k0, k1, warmup)
 
     def every_k(update_step: jax.typing.ArrayLike) -> jax.Array:
-        t = jnp.minimum(jnp.asarray(update_step, jnp.int32), warmup)
-        # Integer arithmetic: a float ramp could round a boundary differently
-        # on different backends.
-        return (k0 + ((k1 - k0) * t) // warmup).astype(jnp.int32)
+        t = jnp.clip(jnp.asarray(update_step, jnp.int32), 0, warmup)
+        return (k0 + _floor_ratio(k1 - k0, t, warmup)).astype(jnp.int32)
 
     return every_k
+
+
+def _check_ramp(k0: int, k1: int, warmup: int) -> None:
+    """Refuses a ramp that `_floor_ratio` cannot compute exactly in int32."""
+    if k1 > _INT32_MAX:
+        raise ValueError(
+            f"`batch_size` / `microbatch_size` must fit in int32, got k={k1}."
+        )
+    if (abs(k1 - k0) * 2.0**-22 + 2) * warmup >= 2.0**31:
+        raise ValueError(
+            f"`warmup_steps`={warmup} is too long for an exact int32 ramp from "
+            f"k={k0} to k={k1}; use fewer steps."
+        )
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _floor_ratio(d: int, t: jax.Array, warmup: int) -> jax.Array:
+    """``floor(d * t / warmup)`` exactly, for int32 ``0 <= t <= warmup``.
+
+    ``d * t`` overflows int32 (4096 * 10**6 does), and x64 is usually off. A
+    float32 estimate ``q`` is within a few units of the answer, so the
+    remainder ``d * t - q * warmup`` is small: computed with int32's
+    wrap-around, its low 32 bits are the exact value, and one floor division
+    corrects ``q``. `_check_ramp` keeps that remainder inside int32. Integer
+    arithmetic also keeps each boundary on the same step on every backend.
+    """
+    q = jnp.floor(t.astype(jnp.float32) * np.float32(d / warmup))
+    q = jnp.clip(q, min(d, 0), max(d, 0)).astype(jnp.int32)
+    r = jnp.int32(d) * t - q * jnp.int32(warmup)  # exact: |r| < 2**31
+    return q + r // warmup

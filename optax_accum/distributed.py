@@ -12,6 +12,7 @@ as the processes of one JAX job on this machine (loopback, CPU devices).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -23,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+
+from . import _checks
 
 __all__ = ["LocalRun", "initialize_distributed", "launch_local"]
 
@@ -66,8 +69,14 @@ def initialize_distributed(
     - ``shutdown_timeout_seconds``: how long a failing process waits for the
       others at exit;
     - the XLA:CPU collective timeouts (in ``XLA_FLAGS``, unless already set
-      there): a gloo collective that a live peer never joins raises
-      ``JaxRuntimeError`` ("Gloo all-reduce failed: ... Timed out").
+      there): a gloo collective that a live peer never joins fails where its
+      result is waited for or read (``jax.block_until_ready``, ``float``,
+      ``np.asarray``, ``process_allgather``). In jax 0.10.2 that error is a
+      ``ValueError`` (not ``jax.errors.JaxRuntimeError``) whose message reads
+      "UNKNOWN: Gloo all-reduce failed: ... Timed out" ("Gloo AllGather
+      failed" for ``process_allgather``): match the message, not the type.
+      The process then aborts at exit, as its peer missed the shutdown
+      barrier.
 
     A peer whose process is gone closes its sockets, so a gloo collective
     often fails at once ("Connection closed by peer"); where it waits
@@ -91,7 +100,10 @@ def initialize_distributed(
 
     Raises:
       RuntimeError: if a JAX backend is already initialised.
-      ValueError: for a ``failure_timeout_s`` below 1.
+      TypeError: for a ``failure_timeout_s``, ``num_processes`` or
+        ``process_id`` that is not an integer.
+      ValueError: for a ``failure_timeout_s`` or ``num_processes`` below 1,
+        or a ``process_id`` outside ``[0, num_processes)``.
 
     Examples:
       At the top of a training script, before any JAX array exists (not run
@@ -102,11 +114,8 @@ def initialize_distributed(
     """
     from jax._src import xla_bridge
 
-    if isinstance(failure_timeout_s, bool) or int(failure_timeout_s) < 1:
-        raise ValueError(
-            f"`failure_timeout_s` must be a positive int, got {failure_timeout_s!r}."
-        )
-    timeout = int(failure_timeout_s)
+    timeout = _checks.positive_int(failure_timeout_s, "failure_timeout_s")
+    _check_place(num_processes, process_id)
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
             "`initialize_distributed` must run before JAX initialises a backend "
@@ -128,6 +137,31 @@ def initialize_distributed(
     kwargs.setdefault("heartbeat_timeout_seconds", timeout)
     kwargs.setdefault("shutdown_timeout_seconds", timeout)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+
+
+def _check_place(num_processes: Any, process_id: Any) -> None:
+    """``num_processes`` >= 1 and ``process_id`` in range, where given."""
+    if num_processes is not None:
+        num_processes = _checks.positive_int(num_processes, "num_processes")
+    if process_id is None:
+        return
+    if isinstance(process_id, bool) or not isinstance(process_id, int):
+        raise TypeError(f"`process_id` must be an integer, got {process_id!r}.")
+    if process_id < 0 or (num_processes is not None and process_id >= num_processes):
+        raise ValueError(
+            f"`process_id` must be in [0, num_processes={num_processes}), got "
+            f"{process_id}."
+        )
+
+
+def _seconds(value: Any, name: str, *, zero_ok: bool) -> float:
+    """A finite number of seconds, > 0 (>= 0 with ``zero_ok``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"`{name}` must be a number of seconds, got {value!r}.")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"`{name}` must be finite and {bound}, got {value!r}.")
+    return float(value)
 
 
 class LocalRun(NamedTuple):
@@ -201,7 +235,13 @@ def launch_local(
       A `LocalRun`.
 
     Raises:
-      ValueError: for ``num_processes`` < 1 or an empty ``argv``.
+      TypeError: for a ``num_processes`` or ``cpu_devices_per_process`` that
+        is not an integer, a ``timeout_s`` or ``grace_s`` that is not a
+        number, an ``argv`` that is a string or holds a non-string, or an
+        ``env`` with a non-string key or value.
+      ValueError: for ``num_processes`` or ``cpu_devices_per_process`` < 1,
+        ``timeout_s`` <= 0, ``grace_s`` < 0 (or either not finite), or an
+        empty ``argv``.
 
     Examples:
       >>> import sys
@@ -211,10 +251,14 @@ def launch_local(
       >>> run.ok, [out.strip() for out in run.outputs]
       (True, ['0', '1'])
     """
-    if isinstance(num_processes, bool) or int(num_processes) < 1:
-        raise ValueError(f"`num_processes` must be >= 1, got {num_processes!r}.")
-    if not argv:
-        raise ValueError("`argv` must name a command.")
+    num_processes = _checks.positive_int(num_processes, "num_processes")
+    if cpu_devices_per_process is not None:
+        cpu_devices_per_process = _checks.positive_int(
+            cpu_devices_per_process, "cpu_devices_per_process"
+        )
+    timeout_s = _seconds(timeout_s, "timeout_s", zero_ok=False)
+    grace_s = _seconds(grace_s, "grace_s", zero_ok=True)
+    _check_command(argv, env)
     job = _Job(num_processes, echo)
     try:
         for i in range(num_processes):
@@ -230,6 +274,23 @@ def launch_local(
         exit_times=[float(t) for t in job.exit_times],
         killed=job.killed,
     )
+
+
+def _check_command(argv: Any, env: Any) -> None:
+    if isinstance(argv, str | bytes) or not isinstance(argv, Sequence):
+        raise TypeError(
+            f"`argv` must be a list of strings (the command and its arguments), "
+            f"got {argv!r}."
+        )
+    if not argv:
+        raise ValueError("`argv` must name a command, got an empty sequence.")
+    if not all(isinstance(a, str | os.PathLike) for a in argv):
+        raise TypeError(f"`argv` must hold strings, got {list(argv)!r}.")
+    if env is not None and not (
+        isinstance(env, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError(f"`env` must map strings to strings, got {env!r}.")
 
 
 def _child_env(

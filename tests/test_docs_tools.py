@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""The docs build's own code (docs/_ext): notebook copies, API pages, results.
+"""The docs build's own code (docs/_ext): notebook copies, API pages, results,
+and the HLO census the guides call.
 
 The notebooks are executed once per CI run, by the notebook tests; the docs
 build renders the executed copies only while they match the stored notebooks.
@@ -165,3 +166,62 @@ def test_benchmark_results_page(tmp_path, monkeypatch):
     # shown by a.md already.
     assert "](../benchmarks/results/c.png)" in page
     assert "](../benchmarks/results/a.png)" not in page
+
+
+def test_hlo_census_counts_all_reduces_in_and_outside_the_branches():
+    import hlo_census
+
+    hlo = textwrap.dedent("""
+        HloModule m
+
+        %add (a: f32[], b: f32[]) -> f32[] {
+          ROOT %s = f32[] add(f32[] %a, f32[] %b)
+        }
+
+        %boundary (p: f32[4]) -> f32[4] {
+          %p = f32[4] parameter(0)
+          ROOT %r = f32[4] all-reduce(f32[4] %p), to_apply=%add
+        }
+
+        %hold (p: f32[4]) -> f32[4] {
+          ROOT %p = f32[4] parameter(0)
+        }
+
+        ENTRY %main (x: f32[4], i: s32[]) -> f32[4] {
+          %x = f32[4] parameter(0)
+          %i = s32[] parameter(1)
+          %y = f32[4] all-reduce-start(f32[4] %x), to_apply=%add
+          ROOT %c = f32[4] conditional(s32[] %i, f32[4] %y, f32[4] %y), BRANCHES
+        }
+    """).replace("BRANCHES", "branch_computations={%hold, %boundary}")
+    assert hlo_census.all_reduces(hlo) == (1, 1)
+
+
+def test_hlo_census_on_a_compiled_accumulate_step():
+    # The claim of the accumulate guide: with axis_name, one all-reduce per
+    # update, in the boundary branch, and none on the hold steps.
+    import hlo_census
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import optax_accum
+
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    tx = optax_accum.accumulate(optax.sgd(0.1), 2, axis_name="d")
+    params = {"w": jnp.zeros(3)}
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+
+    def step(state, g):
+        return tx.update({"w": g[0]}, state, params)[1]
+
+    state = jax.jit(
+        jax.shard_map(lambda: tx.init(params), mesh=mesh, in_specs=(), out_specs=specs)
+    )()
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("d")), out_specs=specs)
+    )
+    g = jax.device_put(jnp.ones((4, 3)), jax.sharding.NamedSharding(mesh, P("d")))
+    hlo = run.lower(state, g).compile().as_text()
+    assert hlo_census.all_reduces(hlo) == (1, 0)

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Tests for `scale_learning_rate` and `batch_size_warmup`."""
+"""Tests for `scale_learning_rate` and the ``every_k`` schedules
+(`batch_size_warmup`, `adaptive_every_k`)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
@@ -139,3 +142,127 @@ def test_warmup_with_multisteps_gives_expected_windows():
 def test_warmup_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         optax_accum.batch_size_warmup(*args)
+
+
+@pytest.mark.parametrize(
+    ("init", "final", "warmup"),
+    [
+        (1, 4097, 1_000_000),  # issue 23: -1837 at step 600,000 (int32 overflow)
+        (1, 4096, 10_000_000),
+        (8, 8192, 3_000_000),
+        (4096, 2, 10_000_000),  # a decreasing ramp
+        (3, 100_000, 7),
+    ],
+)
+def test_warmup_is_exact_and_monotone_for_long_ramps(init, final, warmup):
+    every_k = optax_accum.batch_size_warmup(1, init, final, warmup)
+    rng = np.random.default_rng(0)
+    steps = np.concatenate(
+        [
+            np.linspace(0, warmup, 100_001).astype(np.int64),
+            rng.integers(0, warmup + 1, 100_000),
+            [warmup - 1, warmup, warmup + 1, 2 * warmup, 2**31 - 1],
+        ]
+    )
+    steps = np.unique(np.minimum(steps, 2**31 - 1))
+    got = np.asarray(jax.jit(jax.vmap(every_k))(jnp.asarray(steps, jnp.int32)))
+    # Python integers do not overflow: the reference ramp.
+    ramp = lambda t: init + (final - init) * min(int(t), warmup) // warmup
+    want = np.array([ramp(t) for t in steps])
+    np.testing.assert_array_equal(got, want)
+    assert np.all(np.diff(got) * np.sign(final - init) >= 0)
+
+
+def test_warmup_issue_23_values():
+    every_k = optax_accum.batch_size_warmup(1, 1, 4097, 1_000_000)
+    assert int(every_k(600_000)) == 2458
+    assert int(every_k(2_000_000)) == 4097
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((1, 1, 4096, 2**30), "`warmup_steps`.*too long"),
+        ((1, 1, 2**31, 10), "`batch_size`.*int32"),
+    ],
+)
+def test_warmup_refuses_ramps_beyond_int32(args, match):
+    with pytest.raises(ValueError, match=match):
+        optax_accum.batch_size_warmup(*args)
+
+
+def test_a_schedule_returning_k_beyond_int32_is_refused():
+    tx = optax_accum.accumulate(optax.sgd(0.1), lambda step: 2**31)
+    params = {"w": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=r"`every_k\(step\)`.*int32"):
+        tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+
+
+def test_adaptive_max_k_beyond_int32_is_refused():
+    with pytest.raises(ValueError, match=r"`max_k`.*int32"):
+        optax_accum.adaptive_every_k(2, 2**31)
+
+
+def _adaptive_updates(tx, params, grads):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in grads:
+        _, state = update({"w": g}, state, params)
+    return state
+
+
+@pytest.mark.parametrize("face", ["accumulate", "MultiSteps"])
+@pytest.mark.parametrize("init_k", [None, 2])
+def test_adaptive_min_k_1_on_one_device_is_refused(face, init_k):
+    # Issue 23: a window of one micro-batch on one device measures nothing, so
+    # k stayed at 1 for good (with init_k=1 nothing was ever measured).
+    every_k = optax_accum.adaptive_every_k(1, 8, init_k=init_k)
+    if face == "accumulate":
+        tx = optax_accum.accumulate(optax.sgd(0.1), every_k, noise_scale_decay=0.9)
+    else:
+        tx = optax_accum.MultiSteps(optax.sgd(0.1), every_k, noise_scale_decay=0.9)
+    params = {"w": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=r"min_k=1.*one device.*`min_k` >= 2"):
+        _adaptive_updates(tx, params, [jnp.ones(3)])
+
+
+def test_adaptive_min_k_2_on_one_device_measures():
+    every_k = optax_accum.adaptive_every_k(2, 8)
+    tx = optax_accum.accumulate(optax.sgd(0.1), every_k, noise_scale_decay=0.9)
+    rng = np.random.default_rng(1)
+    grads = [jnp.asarray(1.0 + rng.normal(size=3), jnp.float32) for _ in range(40)]
+    ns = optax_accum.noise_scale(_adaptive_updates(tx, {"w": jnp.zeros(3)}, grads))
+    assert int(ns.windows) > 0 and np.isfinite(float(ns.b_simple))
+
+
+def test_adaptive_min_k_1_over_devices_measures_every_window():
+    # With axis_name the devices supply the small batches: a window of one
+    # micro-batch per device is measured, so min_k=1 stays allowed.
+    devices = 4
+    mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
+    every_k = optax_accum.adaptive_every_k(1, 8)
+    tx = optax_accum.accumulate(
+        optax.sgd(0.1), every_k, axis_name="d", noise_scale_decay=0.9
+    )
+    params = {"w": jnp.zeros(3)}
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+
+    def run(gs, state):
+        def body(state, g):
+            _, state = tx.update({"w": g[0]}, state, params)
+            return state, optax_accum.has_updated(state)
+
+        return jax.lax.scan(body, state, gs)
+
+    init = jax.shard_map(
+        lambda: tx.init(params), mesh=mesh, in_specs=(), out_specs=specs
+    )
+    run = jax.shard_map(
+        run, mesh=mesh, in_specs=(P(None, "d"), specs), out_specs=(specs, P())
+    )
+    gs = 1.0 + jax.random.normal(jax.random.key(0), (6, devices, 3))
+    gs = jax.device_put(gs, NamedSharding(mesh, P(None, "d")))
+    state, updated = jax.jit(run)(gs, jax.jit(init)())
+    ns = optax_accum.noise_scale(state)
+    # k stays 1 while B_simple <= the 4 examples of a step; every window counts.
+    assert int(ns.windows) == int(np.sum(updated)) > 0
