@@ -37,10 +37,6 @@ CPU devices before JAX starts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -227,21 +223,8 @@ def run_layout(layout: Layout, cfg: dict, rounds: int) -> dict:
 
 def _in_subprocess(quick: bool, rounds: int, layouts: str) -> dict:
     """`measure` in a process with 8 CPU devices; its JSON."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "sharded.json")
-        argv = ["--rounds", str(rounds), "--layouts", layouts, "--json", path]
-        proc = subprocess.run(
-            [sys.executable, __file__, *argv, *["--quick"] * quick],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode:
-            raise RuntimeError(
-                f"{os.path.basename(__file__)} failed in a subprocess "
-                f"(status {proc.returncode}):\n{proc.stderr[-4000:]}"
-            )
-        with open(path) as f:
-            return json.load(f)
+    argv = ["--rounds", str(rounds), "--layouts", layouts, *["--quick"] * quick]
+    return harness.json_of_script(__file__, argv)
 
 
 def _force_cpu_devices() -> bool:
@@ -270,7 +253,7 @@ def measure(
     cfg = CONFIGS[quick]
     rounds = rounds or cfg["rounds"]
     log = log or (lambda _: None)
-    if jax.default_backend() != "cpu" or jax.device_count() < 8:
+    if jax.default_backend() != "cpu" or harness.needs_cpu_devices(8):
         return _in_subprocess(quick, rounds, layouts)
     results = []
     for name in layouts.split(","):

@@ -96,11 +96,11 @@ def microbatch_value_and_grad(
       >>> loss = lambda w, x: jnp.sum(x * w) / jnp.sum(x > 0)
       >>> vg = optax_accum.microbatch_value_and_grad(
       ...     loss, 2, weight_fn=lambda x: jnp.sum(x > 0))
-      >>> x = jnp.array([1.0, 0.0, 2.0, 4.0])  # micro-batches [1, 2], [0, 4]
-      >>> print(*vg(jnp.float32(1.0), x))
-      2.3333333 2.3333333
+      >>> x = jnp.array([2.0, 0.0, 4.0, 6.0])  # micro-batches [2, 4], [0, 6]
+      >>> print(*vg(jnp.float32(1.0), x))  # (2 * 3 + 1 * 6) / 3 tokens
+      4.0 4.0
       >>> print(*jax.value_and_grad(loss)(jnp.float32(1.0), x))
-      2.3333333 2.3333333
+      4.0 4.0
     """
     check_callable(loss)
     opts = options(

@@ -12,7 +12,8 @@ does the rest, one concept a module:
 - `peaks`: the measured peak of one step, each in a fresh process;
 - `report`: Markdown tables from rows, the device and versions, the JSON
   results (with the command that made them);
-- `cli`: the common command line (``--quick``, ``--rounds``, ``--out``).
+- `cli`: the common command line (``--quick``, ``--rounds``, ``--out``);
+- `isolated`: a script's `measure` in a process of its own (8 CPU devices).
 
 A new ``bench_<question>.py`` (``benchmarks/run.py`` runs every one) holds its
 workload and variants, and::
@@ -35,6 +36,8 @@ puts it there for the scripts it loads.
 from . import cli as cli
 from . import report as report
 from .cli import script_main as script_main
+from .isolated import json_of_script as json_of_script
+from .isolated import needs_cpu_devices as needs_cpu_devices
 from .memory import compiled_memory as compiled_memory
 from .memory import memory_stats as memory_stats
 from .memory import use_compilation_cache as use_compilation_cache
