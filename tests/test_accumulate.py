@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 OPTIMIZERS = {
@@ -33,7 +34,7 @@ def _train_step(tx):
     return step
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", sweep(OPTIMIZERS, fast=["clip_adamw"]))
 def test_k_micro_steps_equal_one_full_batch_step(name):
     k, micro, windows = 4, 5, 3
     x, y = regression_data(k * micro * windows)
@@ -56,7 +57,7 @@ def test_k_micro_steps_equal_one_full_batch_step(name):
     chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("use_drop_in", [False, True])
+@pytest.mark.parametrize("use_drop_in", sweep([False, True], fast=[True]))
 def test_matches_optax_multisteps_step_by_step(use_drop_in):
     k = 3
     x, y = regression_data(4 * 4 * k, seed=1)
@@ -354,6 +355,7 @@ def test_nnx_optimizer():
     )
 
 
+@pytest.mark.slow
 def test_noisy_sgd_state_survives_disable_jit():
     tx = optax_accum.accumulate(optax.noisy_sgd(0.1, key=jax.random.key(0)), 2)
     params = {"a": jnp.ones(2)}

@@ -19,6 +19,7 @@ from flax import linen, nnx
 from flax.training import train_state
 
 import optax_accum
+from tests.helpers.lanes import sweep
 
 K = 4
 NUM_STEPS = 11
@@ -78,7 +79,7 @@ def _optimizers():
     }
 
 
-@pytest.mark.parametrize("name", list(_optimizers()))
+@pytest.mark.parametrize("name", sweep(_optimizers(), fast=["accumulate_schedule"]))
 def test_optax_resume_mid_window_is_bit_exact(tmp_path, name):
     tx = _optimizers()[name]
     batches = _batches()
@@ -138,6 +139,7 @@ class _MLP(nnx.Module):
         return self.out(jnp.tanh(self.hidden(x)))
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_resume_mid_window_is_bit_exact(tmp_path):
     batches = _batches()
 
@@ -220,6 +222,7 @@ class _DropoutBatchNormMLP(nnx.Module):
         return self.out(self.drop(self.norm(jax.nn.relu(self.hidden(x)))))
 
 
+@pytest.mark.slow
 def test_flax_nnx_train_step_resume_mid_window_is_bit_exact(tmp_path):
     # The fused helper runs 2 micro-batches per call; `accumulate` adds a
     # window of 2 calls on top, so a save after an odd call is mid-window.
@@ -257,6 +260,7 @@ def test_flax_nnx_train_step_resume_mid_window_is_bit_exact(tmp_path):
     assert int(reference[0].drop.rngs.count[...]) == 2 * NUM_STEPS
 
 
+@pytest.mark.slow
 def test_flax_linen_train_step_resume_mid_window_is_bit_exact(tmp_path):
     from optax_accum.flax import linen_train_step
 

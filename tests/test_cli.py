@@ -84,6 +84,7 @@ def test_bad_values_end_in_one_line(argv, message, capsys):
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.slow
 def test_bad_value_in_a_subprocess_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "optax_accum", "demo", "--lr", "nan"],

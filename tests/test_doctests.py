@@ -19,6 +19,7 @@ MODULES = sorted(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     if name == "optax_accum.flax" or name.startswith("optax_accum._flax"):

@@ -11,6 +11,8 @@ on optax's own aliases wrapped with k = 1.
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,11 +21,19 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
+_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 
-@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+
+@pytest.mark.parametrize(
+    ("grad_dtype", "param_dtype"),
+    sweep(
+        itertools.product(_DTYPES, _DTYPES),
+        fast=[(jnp.bfloat16, jnp.float16)],
+    ),
+)
 def test_dtype_matrix(grad_dtype, param_dtype):
     k = 4
     inner = optax.adam(1e-2)
@@ -149,8 +159,17 @@ def _parabola_run(tx, dtype, steps=10):
     return params
 
 
-@pytest.mark.parametrize(("name", "kwargs", "complex_ok"), _ALIAS_SUBSET)
-@pytest.mark.parametrize("dtype", ["complex64", "float64"])
+@pytest.mark.parametrize(
+    ("name", "kwargs", "complex_ok", "dtype"),
+    sweep(
+        [
+            (*case, dtype)
+            for case in _ALIAS_SUBSET
+            for dtype in ("complex64", "float64")
+        ],
+        fast=[(*_ALIAS_SUBSET[0], "complex64"), (*_ALIAS_SUBSET[0], "float64")],
+    ),
+)
 def test_alias_optimizers_wrapped_with_k_1(name, kwargs, complex_ok, dtype):
     if dtype == "complex64" and not complex_ok:
         pytest.skip(f"optax's {name} does not support complex parameters")

@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 from tests.helpers.models import (
     linear_data,
     linear_loss,
@@ -85,7 +86,9 @@ def test_extra_args_are_forwarded_to_the_inner_optimizer():
     assert ["value"] in seen
 
 
-@pytest.mark.parametrize("face", ["accumulate", "MultiSteps"])
+@pytest.mark.parametrize(
+    "face", sweep(["accumulate", "MultiSteps"], fast=["MultiSteps"])
+)
 def test_reduce_on_plateau_sees_the_windows_loss(face):
     x, y = linear_data()
     if face == "accumulate":
@@ -137,6 +140,7 @@ def test_optimizers_that_ignore_value_get_no_value_accumulator():
     assert optax_accum.MultiSteps(optax.adam(1e-3), 2).init(params).acc_value == ()
 
 
+@pytest.mark.slow
 def test_line_search_optimizer_lbfgs():
     # L-BFGS needs value, grad and value_fn: value and grad are the window's.
     k = 2
@@ -176,7 +180,10 @@ def _large_batch_lbfgs(steps, x, y, value_fn):
     return params
 
 
-@pytest.mark.parametrize("face", ["accumulate", "MultiSteps"])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "face", sweep(["accumulate", "MultiSteps"], fast=["accumulate"])
+)
 def test_lbfgs_gets_the_windows_value_and_grad(face):
     # Each micro-batch's value and grad are passed, with a value_fn for the
     # whole window's data (opted in): the step is the large batch's L-BFGS step.
@@ -212,6 +219,7 @@ def test_value_fn_needs_an_explicit_opt_in():
             tx.update(g, tx.init(params), params, value=v, grad=g, value_fn=value_fn)
 
 
+@pytest.mark.slow
 def test_value_fn_is_accepted_when_the_window_is_one_micro_batch():
     params = {"w": jnp.array([1.0, -2.0])}
     loss = lambda p: jnp.sum((p["w"] - 3.0) ** 2)

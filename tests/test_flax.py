@@ -291,6 +291,7 @@ def _linen_mse(params, rng, x, y):
     return jnp.mean((_Dense().apply({"params": params}, x) - y) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plateau", [False, True])
 def test_linen_train_step_takes_a_plain_train_state(plateau):
     x, y = _regression_data(1)

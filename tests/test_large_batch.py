@@ -13,6 +13,8 @@ batch over several windows, with weight decay and a learning-rate schedule
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 K, MICRO, WINDOWS = 4, 6, 4
@@ -71,8 +74,10 @@ def _displacement(params, start):
     return jax.tree.map(jnp.subtract, params, start)
 
 
-@pytest.mark.parametrize("face", list(FACES))
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("name", "face"),
+    sweep(itertools.product(OPTIMIZERS, FACES), fast=[("lamb", "MultiSteps")]),
+)
 def test_accumulated_large_batch_optimizer_equals_full_batch(name, face):
     x, y = regression_data(WINDOWS * K * MICRO, seed=3)
     start = mlp_params(2)
@@ -92,7 +97,7 @@ def test_accumulated_large_batch_optimizer_equals_full_batch(name, face):
         )
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", sweep(OPTIMIZERS, fast=["lamb"]))
 def test_small_steps_are_not_the_large_batch_step(name):
     # Guards the test above: k small LAMB/LARS steps per window differ from
     # the large-batch step by far more than its tolerance.

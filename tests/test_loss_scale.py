@@ -160,6 +160,7 @@ def test_scale_grows_after_period_finite_micro_batches():
     assert int(state["loss_scale"]["counter"]) == 0
 
 
+@pytest.mark.slow
 def test_loss_scale_survives_orbax_restart_mid_window_bit_for_bit(tmp_path):
     tx = FACES["accumulate"](optax.adam(1e-2))
     step = _make_step(tx, period=2)

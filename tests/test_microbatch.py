@@ -19,6 +19,7 @@ from optax import microbatching
 
 import optax_accum
 from tests.helpers import hlo as _hlo
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params
 
 # ----------------------------------------------------------------- models
@@ -111,7 +112,7 @@ def _micro(tree, i, k):
 # ------------------------------------------------------------ exactness
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", sweep([2, 4, 8], fast=[4]))
 def test_mlp_equals_full_batch(k):
     params = _mlp_params(jax.random.key(0))
     batch = _mlp_batch(jax.random.key(1))
@@ -120,6 +121,7 @@ def test_mlp_equals_full_batch(k):
     _close(out, vg(params, batch))
 
 
+@pytest.mark.slow
 def test_transformer_equals_full_batch():
     params = _transformer_params(jax.random.key(0))
     batch = _token_batch(jax.random.key(1))
@@ -141,6 +143,7 @@ def test_token_weights_with_padding_give_the_full_batch_token_mean():
     assert abs(float(plain[0]) - float(ref[0])) > 1e-4
 
 
+@pytest.mark.slow
 def test_sum_reduction_and_weighted_sum():
     params = _mlp_params(jax.random.key(0))
     batch = _mlp_batch(jax.random.key(1))
@@ -463,6 +466,7 @@ def test_explicit_sharding_with_mesh_axes_all_reduces_once_after_the_loop():
     assert seen[-1].sharding.spec == P("data", None)
 
 
+@pytest.mark.slow
 def test_explicit_sharding_with_token_weights_and_aux():
     mesh = jax.make_mesh((8,), ("data",))
     params, batch, sparams, sbatch = _sharded_inputs(mesh)
@@ -490,6 +494,7 @@ def test_explicit_sharding_with_token_weights_and_aux():
     assert in_loop == 0
 
 
+@pytest.mark.slow
 def test_auto_mesh_with_mesh_axes_all_reduces_once():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     params, batch, sparams, sbatch = _sharded_inputs(mesh)
@@ -588,6 +593,7 @@ def test_result_does_not_expose_fun_as_wrapped():
         eqx.filter_jit(fn)(model, jnp.ones((4, 2)))
 
 
+@pytest.mark.slow
 def test_weighted_loop_costs_what_the_unweighted_one_does():
     # The weights enter the backward pass (microbatch differentiates the
     # weighted value itself): fun's own gradients are dead code, so the

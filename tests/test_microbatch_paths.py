@@ -10,6 +10,8 @@ batch's `jax.value_and_grad`. Each test names the defect it guards.
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from tests.helpers.lanes import sweep
 
 
 def _loss(w, x):
@@ -39,7 +42,7 @@ def _close(a, b, rtol=1e-6):
 # --- Section 1: `fun`'s gradients are `fun`'s --------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", sweep([1, 2, 4], fast=[2]))
 def test_value_and_grad_funs_own_gradients_are_weighted_after_it(k):
     x = jnp.arange(8.0)
     ws = lambda x: x[0] + 1.0
@@ -77,8 +80,10 @@ def _token_batch():
     return x, m
 
 
-@pytest.mark.parametrize("k", [1, 3, 4])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(
+    ("k", "reduction"),
+    sweep(itertools.product([1, 3, 4], ["mean", "sum"]), fast=[(3, "sum")]),
+)
 def test_loss_face_equals_value_and_grad_face_and_the_full_batch(k, reduction):
     x, m = _token_batch()
     w = jnp.array([0.5, -1.5])
@@ -144,7 +149,15 @@ def test_weighting_after_fun_rounds_once_in_the_buffer():
 
 @pytest.mark.parametrize(
     ("weight", "reduction", "expected"),
-    [(3.0, "sum", 3.0), (3.0, "mean", 1.0), (0.0, "mean", 0.0), (np.nan, "mean", 0.0)],
+    sweep(
+        [
+            (3.0, "sum", 3.0),
+            (3.0, "mean", 1.0),
+            (0.0, "mean", 0.0),
+            (np.nan, "mean", 0.0),
+        ],
+        fast=[(3.0, "sum", 3.0), (0.0, "mean", 0.0)],
+    ),
 )
 def test_k1_applies_the_weight_as_k2_does(weight, reduction, expected):
     x = jnp.arange(2.0)  # value 0.5, grad 1.0
@@ -162,8 +175,10 @@ def test_k1_applies_the_weight_as_k2_does(weight, reduction, expected):
 # --- Defect 8: an unweighted sum with `data_axes` ----------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(
+    ("k", "reduction"),
+    sweep(itertools.product([1, 2], ["sum", "mean"]), fast=[(2, "sum")]),
+)
 def test_data_axes_sum_equals_the_global_view(k, reduction):
     mesh = jax.make_mesh((2,), ("data",))
     vg = jax.value_and_grad(_loss)
@@ -189,6 +204,7 @@ def _aux_loss(w, x):
     return v, {"rows": x[:, 0] * w, "feature": jnp.mean(x, axis=0)}
 
 
+@pytest.mark.slow
 def test_device_local_aux_rows_are_declared_not_guessed():
     mesh = jax.make_mesh((2,), ("data",))
     vg = jax.value_and_grad(_aux_loss, has_aux=True)
@@ -223,7 +239,7 @@ def test_aux_rows_needs_has_aux_and_data_axes():
 # --- Defect 5: float0 gradients -------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", sweep([1, 2, 4], fast=[2]))
 def test_integer_parameters_pass_through_as_float0(k):
     def loss(p, x):
         return jnp.mean((x * p["w"]) ** 2) + 0.0 * p["n"]
@@ -251,7 +267,7 @@ def test_noise_scale_at_k1_on_one_device_is_refused():
 # --- Defect 14: one buffer dtype, one accuracy -------------------------------
 
 
-@pytest.mark.parametrize("k", [2, 64, 1024])
+@pytest.mark.parametrize("k", sweep([2, 64, 1024], fast=[1024]))
 def test_bf16_buffer_keeps_a_running_mean_as_accumulate_does(k):
     # A bf16 buffer (accumulator_dtype=None, bf16 gradients): a plain sum lost
     # half the mean at k = 1024 (1 + 512 is 512 in bf16); the running mean,

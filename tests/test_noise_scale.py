@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from optax_accum._noise_scale import NoiseScaleState
 from tests.helpers import hlo as _hlo
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 # Linear regression y = x . w* + sigma * eps, x ~ N(0, I_D), loss 0.5 (x.w - y)^2.
@@ -59,7 +60,9 @@ def _run(tx, params, grads_of, batches, weights=None, state=None):
     return jax.lax.scan(window, state, (batches, weights))[0]
 
 
-@pytest.mark.parametrize("b, k", [(4, 4), (2, 8), (8, 2), (16, 4)])
+@pytest.mark.parametrize(
+    ("b", "k"), sweep([(4, 4), (2, 8), (8, 2), (16, 4)], fast=[(4, 4)])
+)
 def test_matches_the_analytic_noise_scale(b, k):
     windows, decay = 4000, 0.999
     # |delta|^2 = 1, so B_simple = 2 D + 1 = 9 examples.
@@ -101,6 +104,7 @@ def _window_estimates(g, w):
     return grad_sq, trace
 
 
+@pytest.mark.slow
 def test_agrees_with_per_example_gradients_on_an_mlp():
     k, b = 4, 8
     params = mlp_params(1)
@@ -177,6 +181,7 @@ def _sharded_state(devices, k, g, w):
     return jax.jit(run)(put(g), put(w), jax.jit(init)())
 
 
+@pytest.mark.slow
 def test_invariant_to_how_the_big_batch_is_formed():
     windows, k = 5, 8
     g = jax.random.normal(jax.random.key(5), (windows, k, 6))
@@ -197,6 +202,7 @@ def test_invariant_to_how_the_big_batch_is_formed():
             np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_window_sums_join_the_one_all_reduce():
     params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
     mesh = jax.make_mesh((8,), ("d",))
@@ -259,6 +265,7 @@ def test_adaptive_k_grows_with_the_noise_scale_without_recompiling():
     assert b_simple[-1] > 5 * b_simple[0]
 
 
+@pytest.mark.slow
 def test_adaptive_k_resumes_from_orbax_bit_for_bit(tmp_path):
     chex.clear_trace_counter()
     tx, step, _ = _growing_noise_run(None, never_decrease=True)
@@ -414,6 +421,7 @@ def test_one_micro_batch_windows_on_one_device_are_refused():
     assert np.isfinite(float(ns.b_simple))
 
 
+@pytest.mark.slow
 def test_microbatch_matches_accumulate_and_tracks_the_ema():
     k = 4
     params = mlp_params(1)
@@ -443,6 +451,7 @@ def test_microbatch_matches_accumulate_and_tracks_the_ema():
     assert int(tracker.windows) == 3 and float(tracker.b_big) == 64
 
 
+@pytest.mark.slow
 def test_microbatch_device_local_loop_uses_device_micro_batches():
     # Batch sharded over 8 devices: each device's part of a micro-batch (2 of
     # its 16 rows) is a micro-batch of the estimate, B_small = 2, B_big = 64.
@@ -481,6 +490,7 @@ def test_microbatch_device_local_loop_uses_device_micro_batches():
     np.testing.assert_allclose(ns.trace_sigma, trace, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_flax_helpers_return_the_tracker():
     from flax.training import train_state
 
@@ -542,7 +552,10 @@ def test_state_can_be_donated_and_multisteps_adapts_k():
     assert int(optax_accum.noise_scale(state).k) == 8
 
 
-@pytest.mark.parametrize("face", ["accumulate", "MultiSteps"])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "face", sweep(["accumulate", "MultiSteps"], fast=["MultiSteps"])
+)
 def test_float64_gradients_measure_as_float32_ones_do(face):
     # oracle-1: the boundary's noise sums were float64 under x64, the hold
     # branch's float32, and the lax.cond failed at trace time.

@@ -77,6 +77,7 @@ def measured(setup):
     return {m: _measured(step, params, opt_state, m) for m in sizes}
 
 
+@pytest.mark.slow
 def test_memory_grows_with_size_above_one(measured):
     # The premise of the binary search (m = 1 may be special, see the docs).
     values = [measured[m] for m in sorted(measured) if m >= 2]
@@ -84,6 +85,7 @@ def test_memory_grows_with_size_above_one(measured):
     assert values[-1] > 1.5 * values[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("between", [(8, 16), (32, 64), (128, 256)])
 def test_chosen_fits_and_next_does_not(setup, measured, between):
     step, params, opt_state, example = setup
@@ -104,6 +106,7 @@ def test_chosen_fits_and_next_does_not(setup, measured, between):
     assert plan.num_compilations <= 2 + math.ceil(math.log2(len(measured)))
 
 
+@pytest.mark.slow
 def test_everything_fits(setup, measured):
     step, params, opt_state, example = setup
     plan = optax_accum.plan_microbatch(
@@ -115,6 +118,7 @@ def test_everything_fits(setup, measured):
     assert plan.num_compilations == 1
 
 
+@pytest.mark.slow
 def test_nothing_fits(setup, measured):
     step, params, opt_state, example = setup
     with pytest.raises(ValueError, match=r"`memory_budget`=1,000 bytes.*1: .*2: "):
@@ -123,6 +127,7 @@ def test_nothing_fits(setup, measured):
         )
 
 
+@pytest.mark.slow
 def test_not_divisible_rounds_k_up(setup):
     step, params, opt_state, example = setup
     sizes = range(8, 100, 8)
@@ -176,6 +181,7 @@ def test_loss_without_optimizer_state(setup):
     assert (plan.microbatch_size, plan.num_microbatches) == (16, 4)
 
 
+@pytest.mark.slow
 def test_abstract_params_are_accepted(setup, measured):
     step, params, opt_state, example = setup
     abstract = jax.eval_shape(lambda: (params, opt_state))
@@ -193,6 +199,7 @@ def test_cpu_requires_a_budget(setup):
         optax_accum.plan_microbatch(step, params, opt_state, example, TARGET)
 
 
+@pytest.mark.slow
 def test_default_budget_is_free_device_memory(setup, measured):
     step, params, opt_state, example = setup
     in_use = 123_456
@@ -226,6 +233,7 @@ def test_bad_input(setup, kwargs, error, match):
         optax_accum.plan_microbatch(step, params, opt_state, example, **args)
 
 
+@pytest.mark.slow
 def test_flax_nnx_state_with_prng_keys():
     from flax import nnx
 

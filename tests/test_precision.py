@@ -9,6 +9,8 @@ gradients in float32 in both faces.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 
 
 def _accumulate(grads, weights, **kwargs):
@@ -67,8 +70,14 @@ def test_fp16_mean_of_many_micro_batches_does_not_overflow():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-3)
 
 
-@pytest.mark.parametrize("k", [3, 7])
-@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("k", "dtype"),
+    sweep(
+        itertools.product([3, 7], [jnp.float64, jnp.complex128]),
+        fast=[(7, jnp.complex128)],
+    ),
+)
 def test_float64_windows_are_float64_accurate(k, dtype):
     rng = np.random.default_rng(k)
     with jax.enable_x64(True):
@@ -90,7 +99,7 @@ def test_float64_windows_are_float64_accurate(k, dtype):
                 np.testing.assert_allclose(np.asarray(out), ref_w, rtol=1e-13)
 
 
-@pytest.mark.parametrize("k", [128, 1024])
+@pytest.mark.parametrize("k", sweep([128, 1024], fast=[1024]))
 def test_default_accumulator_keeps_bf16_gradients_in_float32(k):
     values = np.random.default_rng(1).normal(size=(k, 64)).astype(np.float32) + 1
     bf16 = jnp.asarray(values, jnp.bfloat16)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +46,7 @@ def cases(draw):
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(cases())
 def test_matches_numpy_reference(case):

@@ -53,6 +53,7 @@ def test_has_updated_reads_multisteps_and_nnx_states():
     assert bool(ms.has_updated(opt.opt_state))  # nnx's wrapped arrays
 
 
+@pytest.mark.slow
 def test_schedule_free_eval_params_through_find_state():
     from optax.contrib import ScheduleFreeState, schedule_free_eval_params
 

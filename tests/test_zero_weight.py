@@ -10,6 +10,8 @@ step the inner optimizer, on one device or on all of them.
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import optax
 import pytest
 
 import optax_accum
+from tests.helpers.lanes import sweep
 
 K = 4
 
@@ -102,8 +105,10 @@ def test_zero_weight_nan_device_is_not_judged_by_skip_fn_with_axis_name():
     np.testing.assert_array_equal(state.num_skipped, 0)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-@pytest.mark.parametrize("position", [0, 1, 3])
+@pytest.mark.parametrize(
+    ("position", "sharded"),
+    sweep(itertools.product([0, 1, 3], [False, True]), fast=[(0, True), (3, False)]),
+)
 def test_microbatch_all_padding_micro_batch_contributes_nothing(position, sharded):
     def loss(w, batch):
         mask = batch["mask"]

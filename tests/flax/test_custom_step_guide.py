@@ -19,6 +19,7 @@ PAGE = pathlib.Path(__file__).parents[2] / "docs" / "guides" / "flax_custom_step
 CODE_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", re.S | re.M)
 
 
+@pytest.mark.slow
 def test_custom_nnx_steps_in_the_guide_match_the_helper():
     cells = CODE_CELL.findall(PAGE.read_text())
     assert len(cells) == 4

@@ -68,6 +68,7 @@ def _state(tx):
     return EmaState.create(apply_fn=None, params=params, tx=tx, ema=params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["plain", "reads_value", "explicit_value"])
 def test_linen_train_step_calls_the_states_apply_gradients(case):
     x, y = _data()

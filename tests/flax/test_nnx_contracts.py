@@ -85,6 +85,7 @@ WRT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WRT))
 def test_nnx_train_step_differentiates_what_the_optimizer_trains(name):
     wrt = WRT[name]
@@ -148,6 +149,7 @@ def _drop_loss(model, x):
     return jnp.mean(model(x))
 
 
+@pytest.mark.slow
 def test_nnx_data_axes_draws_its_own_dropout_mask_on_each_device():
     # Documented: on device d of the data axes the model's Rngs keys are
     # folded with d. Reference: device d's draws, one per micro-batch, from

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from . import compat, table
 from .cells import FACES, MODES, Cell
 
 
+@pytest.mark.slow
 def test_table_lists_every_face_and_mode():
     text = compat.markdown()
     lines = text.splitlines()

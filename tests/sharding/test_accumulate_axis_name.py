@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from tests.helpers import hlo as _hlo
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params, regression_data
 
 N = 8
@@ -48,7 +49,8 @@ def _all_reduces(hlo: str) -> tuple[int, int]:
     return _hlo.count(comps, inside), _hlo.count(comps, set(comps) - inside)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", sweep(["mean", "sum"], fast=["sum"]))
 def test_pmap_matches_single_device_full_batch(reduction):
     windows = 2
     x, y = _data(windows)
@@ -130,6 +132,7 @@ def test_shard_map_matches_single_device_full_batch_and_reduces_once():
     assert _all_reduces(hlo) == (1, 0)
 
 
+@pytest.mark.slow
 def test_shard_map_token_weights_across_devices():
     # Devices hold different numbers of valid rows; weights make it exact.
     tx = optax_accum.accumulate(optax.sgd(1.0), 2, axis_name="d")
@@ -221,6 +224,7 @@ def _skip_large_step(n):
     return lambda grads, weights: sm(put(grads), put(weights))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "grads, weights, skipped",
     [

@@ -8,6 +8,8 @@ under Explicit and Auto axis types, against the single-device full batch.
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from tests.helpers import hlo as _hlo
 from tests.helpers import layouts as L
+from tests.helpers.lanes import sweep
 
 K, WINDOWS, ROWS = 3, 2, 16
 
@@ -78,9 +81,13 @@ FACES = {
 }
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
-@pytest.mark.parametrize("layout", list(L.LAYOUTS))
-@pytest.mark.parametrize("face", list(FACES))
+@pytest.mark.parametrize(
+    ("face", "layout", "explicit"),
+    sweep(
+        itertools.product(FACES, L.LAYOUTS, [True, False]),
+        fast=[("accumulate", "fsdp", True), ("MultiSteps", "tp", False)],
+    ),
+)
 def test_matches_full_batch_with_accumulator_sharded_like_params(
     face, layout, explicit
 ):
@@ -98,7 +105,7 @@ def test_matches_full_batch_with_accumulator_sharded_like_params(
         )
 
 
-@pytest.mark.parametrize("layout", ["dp", "tp", "hsdp", "3d"])
+@pytest.mark.parametrize("layout", sweep(["dp", "tp", "hsdp", "3d"], fast=["hsdp"]))
 def test_defer_reduction_all_reduces_over_data_once_in_the_boundary_branch(layout):
     layout = L.LAYOUTS[layout]
     make = lambda: optax_accum.accumulate(optax.adam(1e-2), K, data_axes=layout.batch)
@@ -217,7 +224,7 @@ def test_state_shardings_needs_placed_params():
         optax_accum.state_shardings(optax.sgd(1.0), {"w": np.ones(2)})
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+@pytest.mark.parametrize("explicit", sweep([True, False], fast=[True]))
 def test_orbax_resume_mid_window_with_fsdp_params_is_bit_exact(tmp_path, explicit):
     ocp = pytest.importorskip("orbax.checkpoint")
     layout = L.LAYOUTS["hsdp"]

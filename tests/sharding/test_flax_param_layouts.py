@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_accum  # noqa: E402
 from optax_accum.flax import linen_train_step, nnx_train_step  # noqa: E402
+from tests.helpers.lanes import sweep  # noqa: E402
 
 K, ROWS = 4, 32
 LAYOUTS = {
@@ -92,7 +93,7 @@ def _weights(model):
     return {"w1": np.asarray(model.w1[...]), "w2": np.asarray(model.w2[...])}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", sweep(LAYOUTS, fast=["hsdp"]))
 def test_nnx_train_step_on_explicit_mesh(layout):
     shape, axes, p1, p2, rows = LAYOUTS[layout]
     mesh = jax.make_mesh(shape, axes)
@@ -114,7 +115,8 @@ def test_nnx_train_step_on_explicit_mesh(layout):
     )
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sweep(LAYOUTS, fast=["tp"]))
 def test_nnx_optimizer_with_accumulate_on_explicit_mesh(layout):
     shape, axes, p1, p2, rows = LAYOUTS[layout]
     mesh = jax.make_mesh(shape, axes)
@@ -149,6 +151,7 @@ class LinenMlp(nn.Module):
         return nn.Dense(8, use_bias=False)(jnp.tanh(nn.Dense(16, use_bias=False)(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "specs", [(P(None, "model"), P("model", None)), (P("data", None), P("data", None))]
 )
@@ -215,6 +218,7 @@ def _embed_loss(model, ids, y):
     return ce.mean(), {"logits_mean": logits.mean(), "ce": ce}
 
 
+@pytest.mark.slow
 def test_nnx_embed_has_aux_device_local_on_explicit_mesh():
     # An nnx.Embed lookup cannot run on a whole sharded micro-batch under an
     # Explicit mesh; device-local, it can. The aux layout must be found

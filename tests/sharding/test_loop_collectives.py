@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from tests.helpers import hlo_dataflow as D
+from tests.helpers.lanes import sweep
 from tests.helpers.models import mlp_loss, mlp_params
 
 K = 4
@@ -158,9 +159,9 @@ def test_hand_written_sum_scan_is_accepted():
 @pytest.mark.parametrize(
     "update, op",
     [
-        (_running_mean_update, "subtract"),
+        pytest.param(_running_mean_update, "subtract", marks=pytest.mark.slow),
         (_select_update, "select"),
-        (_scaled_update, "multiply"),
+        pytest.param(_scaled_update, "multiply", marks=pytest.mark.slow),
     ],
     ids=["running_mean", "select_with_accumulator", "scaled_gradient"],
 )
@@ -235,8 +236,10 @@ _GLOBAL_XFAIL = {"noise_scale": _NOISE_XFAIL}
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(m, marks=_GLOBAL_XFAIL[m]) if m in _GLOBAL_XFAIL else m
-        for m in MODES
+        pytest.param(m, marks=_GLOBAL_XFAIL[m]) if m in _GLOBAL_XFAIL else p
+        for m, p in zip(
+            MODES, sweep(MODES, fast=["sum", "token_weighted"]), strict=True
+        )
     ],
 )
 def test_global_view_all_reduces_only_accumulate(mode):
@@ -244,7 +247,10 @@ def test_global_view_all_reduces_only_accumulate(mode):
     assert all(r.movable for r in found), _report(found)
 
 
-@pytest.mark.parametrize("mode", ["mean", "sum", "bf16_f32_accumulator"])
+@pytest.mark.parametrize(
+    "mode",
+    sweep(["mean", "sum", "bf16_f32_accumulator"], fast=["bf16_f32_accumulator"]),
+)
 def test_value_and_grad_face_unweighted_all_reduces_only_accumulate(mode):
     found = _check_sinkable(_microbatch_hlo(mode, face="value_and_grad"))
     assert all(r.movable for r in found), _report(found)
@@ -258,7 +264,7 @@ def test_value_and_grad_face_weighs_after_fun_so_its_reduction_stays():
     assert found and not all(r.movable for r in found), _report(found)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", sweep(MODES, fast=["token_weighted"]))
 def test_device_local_loop_has_no_all_reduce_inside(mode):
     module = D.parse(_microbatch_hlo(mode, data_axes="data"))
     assert list(module.whiles()), "no loop in the compiled module"
@@ -304,6 +310,7 @@ def _microbatch_texts() -> tuple[str, str]:
     return lowered.as_text(debug_info=True), lowered.compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "face, scopes",
     [
