@@ -21,6 +21,15 @@ def test_cases_outside_fast_are_marked_slow():
     assert [[m.name for m in p.marks] for p in params] == [["slow"], [], ["slow"]]
 
 
+def test_a_param_case_keeps_its_marks_and_id():
+    xfail = pytest.mark.xfail(strict=True)
+    params = sweep([pytest.param("a", marks=xfail, id="A"), "b"], fast=["b"])
+    assert [p.id for p in params] == ["A", None]
+    assert [[m.name for m in p.marks] for p in params] == [["xfail", "slow"], []]
+    kept = sweep([pytest.param("a", marks=xfail), "b"], fast=["a"])
+    assert [m.name for m in kept[0].marks] == ["xfail"]
+
+
 def test_a_fast_case_outside_the_sweep_is_refused():
     with pytest.raises(ValueError, match=r"fast=\[5\] are not cases"):
         sweep([1, 2], fast=[5])

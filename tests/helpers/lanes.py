@@ -14,15 +14,24 @@ from typing import Any
 
 import pytest
 
+_ParameterSet = type(pytest.param(None))
+
+
+def _values(case: Any) -> tuple[Any, ...]:
+    if isinstance(case, _ParameterSet):
+        return tuple(case.values)
+    return case if isinstance(case, tuple) else (case,)
+
 
 def sweep(cases: Iterable[Any], fast: Sequence[Any]) -> list[Any]:
     """``pytest.param``s for ``cases``: those in ``fast`` run in the fast lane.
 
     Args:
-      cases: the sweep's cases, each a value or a tuple of values (one per
-        parametrized argument).
-      fast: the cases the fast lane keeps; every other case is marked
-        ``slow``.
+      cases: the sweep's cases, each a value, a tuple of values (one per
+        parametrized argument) or a ``pytest.param``, whose marks and id it
+        keeps.
+      fast: the cases the fast lane keeps, by value; every other case is
+        marked ``slow``.
 
     Returns:
       A list to pass to ``pytest.mark.parametrize``.
@@ -35,13 +44,21 @@ def sweep(cases: Iterable[Any], fast: Sequence[Any]) -> list[Any]:
       [True, False, True]
     """
     cases = list(cases)
-    unknown = [case for case in fast if case not in cases]
+    keys = [_values(case) for case in cases]
+    fast_keys = [_values(case) for case in fast]
+    unknown = [
+        case for case, key in zip(fast, fast_keys, strict=True) if key not in keys
+    ]
     if unknown:
         raise ValueError(f"fast={unknown!r} are not cases of the sweep {cases!r}")
     return [
         pytest.param(
-            *(case if isinstance(case, tuple) else (case,)),
-            marks=() if case in fast else pytest.mark.slow,
+            *key,
+            marks=[
+                *getattr(case, "marks", ()),
+                *(() if key in fast_keys else (pytest.mark.slow,)),
+            ],
+            id=getattr(case, "id", None),
         )
-        for case in cases
+        for case, key in zip(cases, keys, strict=True)
     ]

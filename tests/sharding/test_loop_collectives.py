@@ -158,11 +158,14 @@ def test_hand_written_sum_scan_is_accepted():
 
 @pytest.mark.parametrize(
     "update, op",
-    [
-        pytest.param(_running_mean_update, "subtract", marks=pytest.mark.slow),
-        (_select_update, "select"),
-        pytest.param(_scaled_update, "multiply", marks=pytest.mark.slow),
-    ],
+    sweep(
+        [
+            (_running_mean_update, "subtract"),
+            (_select_update, "select"),
+            (_scaled_update, "multiply"),
+        ],
+        fast=[(_select_update, "select")],
+    ),
     ids=["running_mean", "select_with_accumulator", "scaled_gradient"],
 )
 def test_hand_written_scans_that_keep_the_all_reduce_are_rejected(update, op):
@@ -235,12 +238,13 @@ _GLOBAL_XFAIL = {"noise_scale": _NOISE_XFAIL}
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        pytest.param(m, marks=_GLOBAL_XFAIL[m]) if m in _GLOBAL_XFAIL else p
-        for m, p in zip(
-            MODES, sweep(MODES, fast=["sum", "token_weighted"]), strict=True
-        )
-    ],
+    sweep(
+        [
+            pytest.param(m, marks=_GLOBAL_XFAIL[m]) if m in _GLOBAL_XFAIL else m
+            for m in MODES
+        ],
+        fast=["sum", "noise_scale", "token_weighted"],
+    ),
 )
 def test_global_view_all_reduces_only_accumulate(mode):
     found = _check_sinkable(_microbatch_hlo(mode))

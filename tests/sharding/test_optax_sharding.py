@@ -58,18 +58,8 @@ _XFAIL = {
 }
 
 
-def _cases(names, fast=None):
-    # `fast`: the names the fast lane keeps (all of them by default).
-    return [
-        pytest.param(
-            n,
-            marks=[
-                *([_XFAIL[n]] if n in _XFAIL else []),
-                *([pytest.mark.slow] if fast is not None and n not in fast else []),
-            ],
-        )
-        for n in names
-    ]
+def _cases(names):
+    return [pytest.param(n, marks=_XFAIL.get(n, ())) for n in names]
 
 
 WRAPPERS = {
@@ -129,7 +119,8 @@ def test_state_sharding_type_init_match_update(name, wrapper):
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 @pytest.mark.parametrize(
-    "name", _cases(["adam", "lamb", "adafactor", "sm3", "lbfgs"], fast=["adafactor"])
+    "name",
+    sweep(_cases(["adam", "lamb", "adafactor", "sm3", "lbfgs"]), fast=["adafactor"]),
 )
 def test_state_sharding_type_preserved_with_jit(name, wrapper):
     tx = WRAPPERS[wrapper](OPTIMIZERS[name]())
