@@ -170,7 +170,13 @@ def _open(page: Any, site: tuple, path: str) -> tuple[dict, list[str]]:
     if info["traceback"]:
         problems.append("a traceback in the page text")
     problems += errors
-    problems += [f"request failed: {p} ({s})" for p, s in requests if s >= 400]
+    # Chromium asks for /favicon.ico by itself, at times, when a page names no
+    # icon: not a request of the page's.
+    problems += [
+        f"request failed: {p} ({s})"
+        for p, s in requests
+        if s >= 400 and p != "/favicon.ico"
+    ]
     if external:
         print(f"{path}: not loaded offline (other hosts): {sorted(external)}")
     return info, problems
