@@ -13,17 +13,23 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import pipeline as pipeline
 from ._accumulate import AccumulateState as AccumulateState
+from ._accumulate import MultiSteps as MultiSteps
+from ._accumulate import MultiStepsState as MultiStepsState
+from ._accumulate import SkipFn as SkipFn
 from ._accumulate import accumulate as accumulate
+from ._accumulate import find_state as find_state
+from ._accumulate import has_updated as has_updated
+from ._accumulate import noise_scale as noise_scale
+from ._accumulate import skip_large_updates as skip_large_updates
+from ._accumulate import skip_not_finite as skip_not_finite
 from ._accumulate import state_specs as state_specs
 from ._deprecations import module_getattr
 from ._learning_rate import scale_learning_rate as scale_learning_rate
 from ._loss_scale import ScaledGrads as ScaledGrads
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
+from ._microbatch import WeightFn as WeightFn
 from ._microbatch import microbatch as microbatch
-from ._microbatch_grad import microbatch_value_and_grad as microbatch_value_and_grad
-from ._microbatch_options import WeightFn as WeightFn
-from ._multisteps import MultiSteps as MultiSteps
-from ._multisteps import MultiStepsState as MultiStepsState
+from ._microbatch import microbatch_value_and_grad as microbatch_value_and_grad
 from ._noise_scale import NoiseScale as NoiseScale
 from ._noise_scale import NoiseScaleState as NoiseScaleState
 from ._partial_sums import defer_reduction as defer_reduction
@@ -35,12 +41,6 @@ from ._schedules import AdaptiveEveryK as AdaptiveEveryK
 from ._schedules import adaptive_every_k as adaptive_every_k
 from ._schedules import batch_size_warmup as batch_size_warmup
 from ._sharding import state_shardings as state_shardings
-from ._skip import SkipFn as SkipFn
-from ._skip import skip_large_updates as skip_large_updates
-from ._skip import skip_not_finite as skip_not_finite
-from ._states import find_state as find_state
-from ._states import has_updated as has_updated
-from ._states import noise_scale as noise_scale
 from ._typing import AccumulatorDType as AccumulatorDType
 from ._typing import AxisName as AxisName
 from ._typing import Reduction as Reduction

@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._accumulate import accumulate
+from ._accumulate import accumulate, noise_scale
 from ._learning_rate import scale_learning_rate
 from ._microbatch import microbatch
-from ._states import noise_scale
 
 PLOT_NAME = "optax_accum_demo.png"
 # What the demo imports beyond jax and optax, all in the `examples` extra (the

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _clip_warning
+from optax_accum._accumulate import _clip_warning
 
 
 def test_clipping_before_accumulate_warns_once(monkeypatch):

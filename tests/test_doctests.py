@@ -14,7 +14,7 @@ import optax_accum
 
 MODULES = sorted(
     m.name
-    for m in pkgutil.iter_modules(optax_accum.__path__, "optax_accum.")
+    for m in pkgutil.walk_packages(optax_accum.__path__, "optax_accum.")
     if m.name != "optax_accum.__main__"
 )
 
@@ -22,7 +22,7 @@ MODULES = sorted(
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
-    if name == "optax_accum.flax" or name.startswith("optax_accum._flax"):
+    if name == "optax_accum.flax" or name.startswith("optax_accum.flax."):
         pytest.importorskip("flax")
     if name == "optax_accum._loss_scale":
         pytest.importorskip("jmp")  # the example uses jmp's loss scale

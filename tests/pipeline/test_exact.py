@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _pipeline_step
 from optax_accum import pipeline as pl
+from optax_accum.pipeline import _step
 from tests.pipeline import models as md
 
 FAST = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("circular", 4, 8, 2)]
@@ -158,7 +158,7 @@ def test_bf16_stages(schedule):
 )
 def test_nan_in_bubbles(schedule, monkeypatch):
     """Every idle slot sends NaN and every buffer starts as NaN."""
-    monkeypatch.setattr(_pipeline_step, "BUBBLE_FILL", float("nan"))
+    monkeypatch.setattr(_step, "BUBBLE_FILL", float("nan"))
     params, batch = md.make(4, rows=16)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
     got = pipelined(stage_mesh(4), params, batch, 4, schedule=schedule)

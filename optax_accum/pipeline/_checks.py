@@ -12,9 +12,9 @@ from typing import Any
 
 import jax
 
-from . import _pipeline_schedule as sched
-from . import _sharding
-from ._pipeline_step import Pipeline, call_stage
+from .. import _sharding
+from . import _schedule as sched
+from ._step import Pipeline, call_stage
 
 
 def options(pipe: Pipeline) -> Pipeline:

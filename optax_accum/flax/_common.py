@@ -17,12 +17,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._deprecations import rename
-from ._extra_args import reads_value
-from ._loss_scale import ScaledGrads, scaled_value_and_grad
-from ._microbatch import microbatch_with_state
-from ._microbatch_grad import value_and_grad_with_state
-from ._microbatch_options import Options, options
+from .._deprecations import rename
+from .._extra_args import reads_value
+from .._loss_scale import ScaledGrads, scaled_value_and_grad
+from .._microbatch import (
+    Options,
+    microbatch_with_state,
+    options,
+    value_and_grad_with_state,
+)
 
 _RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
 # `microbatch`'s keywords that a step passes through.

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _dtypes
+from .. import _dtypes
 
 if TYPE_CHECKING:
-    from ._devices import Devices
+    from .._devices import Devices
 
 
 class SkipFn(Protocol):

@@ -8,7 +8,7 @@ those axes. This module owns what that takes: finding the mesh, refusing axes
 that shard a parameter (the loop would gather it whole), casting inputs to
 varying so their cotangents stay local, and reducing the threaded state and
 ``aux`` over the devices. The loop itself, and its one reduction of values
-and gradients, are `_microbatch_loop`'s.
+and gradients, are `_loop`'s.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _sharding, _weights
-from ._microbatch_loop import Loop, scan
-from ._microbatch_options import Context, Options
+from .. import _sharding, _weights
+from ._loop import Loop, scan
+from ._options import Context, Options
 
 
 def _is_array(x: Any) -> bool:

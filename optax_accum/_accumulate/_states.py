@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _checks
+from .. import _checks
+from .._deprecations import renamed_arguments
+from .._noise_scale import NoiseScale, NoiseScaleState, b_simple, debiased
 from ._accumulate import AccumulateState
-from ._deprecations import renamed_arguments
 from ._multisteps import MultiStepsState, emitted
-from ._noise_scale import NoiseScale, NoiseScaleState, b_simple, debiased
 
 
 def find_state(state: Any, state_type: type | tuple[type, ...]) -> Any:

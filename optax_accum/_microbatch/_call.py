@@ -6,7 +6,7 @@ The batch size, the copy-free micro-batch views, one micro-batch's arguments
 (its rows, its PRNG keys), one call of a value-and-grad ``fun`` taken apart,
 the loss face's own differentiation (the one place a weight may enter the
 backward pass), and all k weights in one pass. The loop
-that drives them is `_microbatch_loop`'s.
+that drives them is `_loop`'s.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compiler, _dtypes, _sharding, _weights
-from ._loss_scale import ScaledGrads
-from ._microbatch_options import Context, Options, check_fun_output
+from .. import _compiler, _dtypes, _sharding, _weights
+from .._loss_scale import ScaledGrads
+from ._options import Context, Options, check_fun_output
 
 
 class Call(NamedTuple):

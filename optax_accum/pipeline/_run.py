@@ -24,10 +24,11 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from . import _pipeline_1f1b, _pipeline_gpipe, _sharding
-from . import _pipeline_schedule as sched
-from ._pipeline_checks import check_call, first_microbatch, stage_input
-from ._pipeline_step import Local, Pipeline, call_loss
+from .. import _sharding
+from . import _1f1b, _gpipe
+from . import _schedule as sched
+from ._checks import check_call, first_microbatch, stage_input
+from ._step import Local, Pipeline, call_loss
 
 
 def _layout(sp: Any, stages: int, repeats: int) -> Any:
@@ -122,7 +123,7 @@ def _body(pipe, stages, data_axes, table, h, aux, fp, sp, lp, views, key):
     ctx = Local(
         pipe, stage, stages, views, _scales(pipe, views, data_axes), key, h, aux, axes
     )
-    runner = _pipeline_1f1b if pipe.schedule == "1f1b" else _pipeline_gpipe
+    runner = _1f1b if pipe.schedule == "1f1b" else _gpipe
     loss, (gf, gs, gl), auxs = runner.run(ctx, (fp, sp, lp), table)
     gf, gl = lax.psum((gf, gl), axes)
     if data_axes:

@@ -3,11 +3,11 @@
 """`microbatch`: k micro-batches of a value-and-grad function in one `lax.scan`.
 
 This module owns the public face: `microbatch` (and `microbatch_with_state`,
-which the Flax helpers use), which checks its options once (`_microbatch_options`)
+which the Flax helpers use), which checks its options once (`_options`)
 and returns a function with ``fun``'s signature. Calling it picks where the
 loop runs (the global view, per device of ``axis_name`` or of ``data_axes``)
-and packs the result; the loop is `_microbatch_loop`'s, the device-local mode
-`_microbatch_local`'s.
+and packs the result; the loop is `_loop`'s, the device-local mode
+`_local`'s.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _noise_scale as ns
-from . import _sharding
-from ._deprecations import renamed_arguments
-from ._loss_scale import ScaledGrads
-from ._microbatch_call import batch_size
-from ._microbatch_local import device_local, to_varying
-from ._microbatch_loop import Loop, scan
-from ._microbatch_options import (
+from .. import _noise_scale as ns
+from .. import _sharding
+from .._deprecations import renamed_arguments
+from .._loss_scale import ScaledGrads
+from .._typing import AccumulatorDType, AxisName, Reduction
+from ._call import batch_size
+from ._local import device_local, to_varying
+from ._loop import Loop, scan
+from ._options import (
     Context,
     Options,
     WeightFn,
@@ -33,7 +34,6 @@ from ._microbatch_options import (
     check_no_nnx_modules,
     options,
 )
-from ._typing import AccumulatorDType, AxisName, Reduction
 
 _RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 

@@ -30,11 +30,12 @@ import numpy as np
 import optax
 from jax import lax
 
-from . import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _skip, _weights
-from . import _noise_scale as ns
-from ._checks import bool_scalar
-from ._devices import Devices
-from ._reduction import Mean, Sum
+from .. import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _weights
+from .. import _noise_scale as ns
+from .._checks import bool_scalar
+from .._devices import Devices
+from .._reduction import Mean, Sum
+from . import _skip
 
 
 class Window(NamedTuple):

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _pipeline_schedule as sched
-from ._pipeline_step import Cells, Local, fill, forward, ring, stage_params, zeros
+from . import _schedule as sched
+from ._step import Cells, Local, fill, forward, ring, stage_params, zeros
 
 
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable):

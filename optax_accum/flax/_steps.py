@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Flax integration: fused micro-batch train steps for `flax.nnx` and `flax.linen`.
-
-Both helpers run k micro-batches and one optimizer update in a single compiled
-call through `optax_accum.microbatch`. Mutable state (BatchNorm running
-statistics, nnx Rngs counters) is threaded through the micro-batches in order,
-exactly as k small steps would update it; each micro-batch normalizes with its
-own batch statistics. Flax is an optional dependency: ``import optax_accum``
-never imports this module.
-"""
+"""`nnx_train_step` and `linen_train_step`: fused micro-batch train steps."""
 
 from __future__ import annotations
 
@@ -18,9 +10,9 @@ from typing import Any
 import optax
 from flax import nnx
 
-from . import _flax_nnx
-from ._deprecations import renamed_arguments
-from ._flax_common import (
+from .._deprecations import renamed_arguments
+from . import _nnx
+from ._common import (
     check_loss_scale,
     extras,
     fused_loop,
@@ -29,8 +21,6 @@ from ._flax_common import (
     step_options,
     with_value,
 )
-
-__all__ = ["linen_train_step", "nnx_train_step"]
 
 _RENAMED = {"num_micro_batches": "num_microbatches"}
 
@@ -139,11 +129,11 @@ def nnx_train_step(
 
     def step(model, optimizer, *batch, noise_scale=None, loss_scale=None, **opt_kwargs):
         check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
-        parts = _flax_nnx.split(model, optimizer.wrt)
+        parts = _nnx.split(model, optimizer.wrt)
 
         def loss(trained, frozen, *batch, state):
             call = lambda m: loss_fn(m, *batch)
-            out, sown, new_state = _flax_nnx.run(
+            out, sown, new_state = _nnx.run(
                 parts, trained, frozen, state, call, opts.data_axes
             )
             value, aux = out if has_aux else (out, None)

@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _checks, _dtypes, _extra_args, _reduction, _schedules, _skip
-from . import _noise_scale as ns
+from .. import _checks, _dtypes, _extra_args, _reduction, _schedules
+from .. import _noise_scale as ns
+from .._deprecations import renamed_arguments
+from .._devices import Devices
+from .._typing import AccumulatorDType, AxisName
+from . import _skip
 from ._clip_warning import warn_if_clipped_before
-from ._deprecations import renamed_arguments
-from ._devices import Devices
 from ._engine import Engine, Window
-from ._typing import AccumulatorDType, AxisName
 
 
 class MultiStepsState(NamedTuple):

@@ -7,14 +7,14 @@ pass, and each micro-batch's multiplier), the loop (`scan`: one micro-batch
 into the carry per step, `_add`) and the one reduction after it (`_finish`).
 Every k runs this one path: XLA removes a loop of one trip, so k = 1 costs no
 loop and has no semantics of its own. One micro-batch's arguments and one call
-of ``fun`` are `_microbatch_call`'s.
+of ``fun`` are `_call`'s.
 
 What an accelerator's compiler needs from the loop body: each gradient reaches
 the carry through a plain add (or a select against zero), so that XLA's
 while-loop all-reduce code motion can sink the gradients' reduction out of the
 loop, leaving one per step. So weights are computed before the loop and, where the
 library differentiates (the loss face, in the global view), applied inside the
-backward pass (`_microbatch_call.differentiate`), never as a running mean or a
+backward pass (`_call.differentiate`), never as a running mean or a
 scale between the gradient and the add. A value-and-grad ``fun``'s gradients
 are its own: they are weighted after it (cast to the buffer's precision
 first), and on an accelerator the reduction then stays in the loop.
@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _devices, _dtypes, _sharding, _weights
-from . import _noise_scale as ns
-from ._loss_scale import ScaledGrads
-from ._microbatch_call import Call, microbatch_args, run, views, weights
-from ._microbatch_options import Context, Options
+from .. import _devices, _dtypes, _sharding, _weights
+from .. import _noise_scale as ns
+from .._loss_scale import ScaledGrads
+from ._call import Call, microbatch_args, run, views, weights
+from ._options import Context, Options
 
 
 class Plan(NamedTuple):

@@ -1,27 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Pipeline parallelism over micro-batches: GPipe, circular and 1F1B.
-
-The layers of a model sit on the devices of a mesh axis (the stage axis),
-and the micro-batches fill the pipeline; their gradients accumulate before
-the one update, so gradient accumulation is the pipeline's inner loop.
-`value_and_grad` returns the exact loss and gradients of the sequential
-model; `schedule_table` is the static schedule it runs (and the tests check,
-and the guide draws); `bubble_fraction` reads it.
-"""
+"""`pipeline.value_and_grad`: the loss and gradients of a model split into stages."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from . import _pipeline_checks, _pipeline_run
-from ._microbatch_options import WeightFn
-from ._pipeline_schedule import Op as Op
-from ._pipeline_schedule import ScheduleTable as ScheduleTable
-from ._pipeline_schedule import bubble_fraction as bubble_fraction
-from ._pipeline_schedule import schedule_table as schedule_table
-from ._pipeline_step import Pipeline
+from .._microbatch import WeightFn
+from . import _checks, _run
+from ._schedule import Op as Op
+from ._schedule import ScheduleTable as ScheduleTable
+from ._schedule import bubble_fraction as bubble_fraction
+from ._schedule import schedule_table as schedule_table
+from ._step import Pipeline
 
 
 def value_and_grad(
@@ -116,18 +108,9 @@ def value_and_grad(
         weight_fn,
         has_aux,
     )
-    pipe = _pipeline_checks.options(pipe)
+    pipe = _checks.options(pipe)
 
     def vg(params: Any, batch: Any, rng: Any = None):
-        return _pipeline_run.call(pipe, params, batch, rng)
+        return _run.call(pipe, params, batch, rng)
 
     return vg
-
-
-__all__ = [
-    "Op",
-    "ScheduleTable",
-    "bubble_fraction",
-    "schedule_table",
-    "value_and_grad",
-]

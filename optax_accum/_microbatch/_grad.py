@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._typing import AccumulatorDType, AxisName, Reduction
 from ._microbatch import _microbatched
-from ._microbatch_options import WeightFn, check_callable, options
-from ._typing import AccumulatorDType, AxisName, Reduction
+from ._options import WeightFn, check_callable, options
 
 
 def microbatch_value_and_grad(

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 import jax
 
-from . import _checks, _dtypes, _reduction
-from . import _noise_scale as ns
-from ._reduction import Mean, Sum
-from ._typing import AccumulatorDType, AxisName, Reduction
+from .. import _checks, _dtypes, _reduction
+from .. import _noise_scale as ns
+from .._reduction import Mean, Sum
+from .._typing import AccumulatorDType, AxisName, Reduction
 
 PARAM_GATHER = ("per_micro_batch", "once", None)
 

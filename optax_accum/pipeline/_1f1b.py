@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _pipeline_schedule as sched
-from ._pipeline_step import Cells, Local, fill, forward, ring, zeros
+from . import _schedule as sched
+from ._step import Cells, Local, fill, forward, ring, zeros
 
 
 def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 # Copyright 2026 The optax_accum Authors.
 """One pipeline slot: what a device computes for one (micro-batch, stage).
 
-The runners (`_pipeline_gpipe`, `_pipeline_1f1b`) call `forward` once per
+The runners (`_gpipe`, `_1f1b`) call `forward` once per
 tick on every device of the stage axis, each with its own cell of the
 schedule table. Device 0 on its first pass embeds the micro-batch
 (``first_fn``), the last device on its last pass adds the scaled loss
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _sharding
+from .. import _sharding
 
 # What idle slots send and what buffers start with. The tests set it to NaN
 # to check that no bubble reaches a value or a gradient.
