@@ -109,28 +109,31 @@ def _resolve_subtree(policy: Any, tree: Any) -> Any:
     return jax.tree.map(lambda x: for_gradient(jnp.result_type(x), policy), tree)
 
 
+def _one_level(tree: Any) -> tuple[list, Any]:
+    """``tree``'s children with their keys, and its node (children as leaves)."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+
+
 def _resolve_at(prefix: Any, tree: Any, path: tuple) -> Any:
     if _is_policy(prefix):
         return _resolve_subtree(prefix, tree)
-    # One level of each: the prefix's node must be the tree's node.
-    flat, node = jax.tree_util.tree_flatten_with_path(
-        prefix, is_leaf=lambda x: x is not prefix
-    )
-    try:
-        children = node.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
+    # Matched by keys, not node types: a dict prefix serves an nnx.State or a
+    # FrozenDict of the same keys.
+    p_flat, p_node = _one_level(prefix)
+    t_flat, t_node = _one_level(tree)
+    p_keys, t_keys = [k for k, _ in p_flat], [k for k, _ in t_flat]
+    if p_keys != t_keys:
         where = jax.tree_util.keystr(path) or "the root"
         raise ValueError(
             f"`accumulator_dtype` is not a prefix of the gradients at {where}: "
-            f"it has {node}, the gradients have "
-            f"{jax.tree.structure(tree, is_leaf=lambda x: x is not tree)}. "
-            "Pass a dtype per subtree of the gradients (the parameters'), "
-            "or one dtype for all."
-        ) from e
+            f"it has {p_node}, the gradients have {t_node}. Pass a dtype per "
+            "subtree of the gradients (the parameters'), or one dtype for all."
+        )
     resolved = [
-        _resolve_at(p, t, path + k) for (k, p), t in zip(flat, children, strict=True)
+        _resolve_at(p, t, path + k)
+        for (k, p), (_, t) in zip(p_flat, t_flat, strict=True)
     ]
-    return node.unflatten(resolved)
+    return t_node.unflatten(resolved)
 
 
 def compute(dtype: Any) -> Any:
