@@ -223,6 +223,15 @@ def accumulate(
       Array([-2., -3.], dtype=float32)
       >>> bool(optax_accum.has_updated(state))
       True
+
+      A bf16 buffer for one subtree, float32 for the rest:
+
+      >>> tx = optax_accum.accumulate(
+      ...     optax.sgd(1.0), 2, accumulator_dtype={"a": jnp.bfloat16, "b": None}
+      ... )
+      >>> state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
+      >>> {n: a.dtype.name for n, a in state.accumulator.items()}
+      {'a': 'bfloat16', 'b': 'float32'}
     """
     engine = _engine_for(
         inner,
