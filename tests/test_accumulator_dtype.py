@@ -209,6 +209,34 @@ def test_microbatch_per_leaf_matches_the_large_batch(face):
     _close(grads, ref)
 
 
+def _masked_loss(p, x, y, m):
+    """The mean over the valid rows (``m``) of the MLP's per-row loss."""
+    per_row = jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2, -1)
+    return jnp.sum(per_row * m) / jnp.sum(m)
+
+
+@pytest.mark.parametrize("face", ["fused", "loss"])
+def test_token_weighted_per_leaf_matches_the_large_batch(face):
+    """Micro-batches weighted by their valid rows: the running mean's weighted
+    coefficients, per leaf."""
+    x, y = L.data(K * ROWS)
+    m = jnp.asarray(np.random.default_rng(2).random(K * ROWS) < 0.6, jnp.float32)
+    m = m.at[:ROWS].set(1.0)  # micro-batches of unequal weight, none empty
+    kw = dict(
+        batch_argnums=(1, 2, 3),
+        weight_fn=lambda x, y, m: m.sum(),
+        accumulator_dtype=POLICY,
+    )
+    if face == "fused":
+        fun = optax_accum.microbatch(jax.value_and_grad(_masked_loss), K, **kw)
+    else:
+        fun = optax_accum.microbatch_value_and_grad(_masked_loss, K, **kw)
+    value, grads = jax.jit(fun)(L.params(), x, y, m)
+    ref_value, ref = jax.value_and_grad(_masked_loss)(L.params(), x, y, m)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    _close(grads, ref)
+
+
 # ---- the running mean of a narrow leaf ------------------------------------
 
 LONG = 300  # a bf16 sum of ones stalls at 256: 256 + 1 rounds back to 256
