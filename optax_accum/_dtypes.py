@@ -7,10 +7,15 @@ gradient accumulates in at least float32, of its own kind (bf16 and fp16 in
 float32, float64 and complex as they are). The arithmetic of a window (the
 weights, the running-mean coefficients, the differences) runs at least at the
 accumulator's precision, never in a narrower type.
+
+A policy may also be a pytree prefix of the gradients (`PerLeaf`), one policy
+per subtree: `resolve` turns it into one accumulator dtype per leaf, the one
+place where a prefix meets the gradient tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,13 +25,41 @@ import numpy as np
 PROMOTE = "promote"
 
 
+@dataclasses.dataclass(frozen=True)
+class PerLeaf:
+    """A checked pytree prefix of policies: its structure (policies as
+    leaves, None included) and each subtree's canonical policy. Hashable, as
+    the frozen options that hold it are."""
+
+    treedef: Any
+    policies: tuple
+
+    def prefix(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.policies)
+
+
+def _is_policy(x: Any) -> bool:
+    """A policy for a whole subtree, not a container of policies."""
+    return x is None or isinstance(x, str) or jax.tree_util.all_leaves([x])
+
+
 def canonical(dtype: Any) -> Any:
-    """A canonical dtype, ``"promote"``, or None ('each gradient's dtype')."""
+    """A canonical dtype, ``"promote"``, None ('each gradient's dtype'), or
+    a `PerLeaf` prefix of them."""
+    if _is_policy(dtype):
+        return _canonical_one(dtype, "")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(dtype, is_leaf=_is_policy)
+    policies = tuple(_canonical_one(p, jax.tree_util.keystr(k)) for k, p in flat)
+    return PerLeaf(treedef, policies)
+
+
+def _canonical_one(dtype: Any, path: str) -> Any:
     if dtype is None or (isinstance(dtype, str) and dtype == PROMOTE):
         return dtype
+    where = f" at {path}" if path else ""
     message = (
-        "`accumulator_dtype` must be a floating dtype (or a complex one), "
-        f'"{PROMOTE}" or None, got {dtype!r}.'
+        f"`accumulator_dtype`{where} must be a floating dtype (or a complex "
+        f'one), "{PROMOTE}" or None, got {dtype!r}.'
     )
     try:
         canonical_dtype = jnp.dtype(dtype)
@@ -57,6 +90,50 @@ def for_gradient(grad_dtype: Any, policy: Any) -> Any:
             f'"{PROMOTE}" (the default) or None.'
         )
     return policy
+
+
+def resolve(policy: Any, tree: Any) -> Any:
+    """The accumulator dtype of each leaf of ``tree`` (arrays or shapes; None
+    leaves stay None) under a canonical ``policy``, scalar or `PerLeaf`.
+
+    Raises:
+      ValueError: a `PerLeaf` prefix that is not a prefix of ``tree``, naming
+        the path where they part.
+    """
+    if not isinstance(policy, PerLeaf):
+        return _resolve_subtree(policy, tree)
+    return _resolve_at(policy.prefix(), tree, ())
+
+
+def _resolve_subtree(policy: Any, tree: Any) -> Any:
+    return jax.tree.map(lambda x: for_gradient(jnp.result_type(x), policy), tree)
+
+
+def _one_level(tree: Any) -> tuple[list, Any]:
+    """``tree``'s children with their keys, and its node (children as leaves)."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+
+
+def _resolve_at(prefix: Any, tree: Any, path: tuple) -> Any:
+    if _is_policy(prefix):
+        return _resolve_subtree(prefix, tree)
+    # Matched by keys, not node types: a dict prefix serves an nnx.State or a
+    # FrozenDict of the same keys.
+    p_flat, p_node = _one_level(prefix)
+    t_flat, t_node = _one_level(tree)
+    p_keys, t_keys = [k for k, _ in p_flat], [k for k, _ in t_flat]
+    if p_keys != t_keys:
+        where = jax.tree_util.keystr(path) or "the root"
+        raise ValueError(
+            f"`accumulator_dtype` is not a prefix of the gradients at {where}: "
+            f"it has {p_node}, the gradients have {t_node}. Pass a dtype per "
+            "subtree of the gradients (the parameters'), or one dtype for all."
+        )
+    resolved = [
+        _resolve_at(p, t, path + k)
+        for (k, p), (_, t) in zip(p_flat, t_flat, strict=True)
+    ]
+    return t_node.unflatten(resolved)
 
 
 def compute(dtype: Any) -> Any:

@@ -14,5 +14,7 @@ AxisName = Hashable | tuple[Hashable, ...]
 Reduction = Literal["mean", "sum"]
 
 #: A floating or complex dtype, ``"promote"`` (at least float32, of each
-#: gradient's own kind) or ``None`` (each gradient's own dtype).
+#: gradient's own kind) or ``None`` (each gradient's own dtype); or a pytree
+#: prefix of the gradients with one of these per subtree, e.g.
+#: ``{"embed": jnp.bfloat16, "layers": "promote"}``.
 AccumulatorDType = Any | Literal["promote"] | None

@@ -145,6 +145,9 @@ def accumulate(
         promoted to at least float32, of its own kind (bf16 and fp16
         accumulate in float32, float64 and complex stay as they are); a
         floating or complex dtype; or ``None`` for each gradient's own dtype.
+        Or a pytree prefix of the parameters with one of these per subtree,
+        e.g. ``{"embed": jnp.bfloat16, "layers": "promote"}``; a narrow
+        (bf16, fp16) buffer keeps a running mean, as a scalar one does.
         Emitted updates have ``inner``'s dtypes.
       skip_fn: optional `SkipFn`. A rejected micro-batch leaves the state as if
         it never arrived and is counted in ``num_skipped``. With
@@ -197,12 +200,15 @@ def accumulate(
         known ``weight`` that is negative, not finite or does not fit its
         dtype, a ``value_fn`` without ``allow_value_fn``, ``skip_fn`` or
         ``noise_scale_decay`` with ``data_axes``, or ``noise_scale_decay``
-        with ``every_k=1`` and no ``axis_name``.
+        with ``every_k=1`` and no ``axis_name``; at ``init``, an
+        ``accumulator_dtype`` prefix that does not match the parameters
+        (naming the path).
       TypeError: for an ``inner`` that is not an optimizer (e.g. the factory
         ``optax.adam`` uncalled), a non-integer ``every_k``, a non-float
-        ``accumulator_dtype``, a ``skip_fn`` that is not a skip function (e.g.
-        the factory ``skip_large_updates`` uncalled) or returns no boolean
-        scalar, or a ``weight`` that is not a real number.
+        ``accumulator_dtype`` (naming its path in a prefix), a ``skip_fn``
+        that is not a skip function (e.g. the factory ``skip_large_updates``
+        uncalled) or returns no boolean scalar, or a ``weight`` that is not
+        a real number.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optax_accum
@@ -217,6 +223,15 @@ def accumulate(
       Array([-2., -3.], dtype=float32)
       >>> bool(optax_accum.has_updated(state))
       True
+
+      A bf16 buffer for one subtree, float32 for the rest:
+
+      >>> tx = optax_accum.accumulate(
+      ...     optax.sgd(1.0), 2, accumulator_dtype={"a": jnp.bfloat16, "b": None}
+      ... )
+      >>> state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
+      >>> {n: a.dtype.name for n, a in state.accumulator.items()}
+      {'a': 'bfloat16', 'b': 'float32'}
     """
     engine = _engine_for(
         inner,

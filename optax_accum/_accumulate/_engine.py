@@ -92,7 +92,8 @@ class Engine:
       k_of: ``(update_step, noise) -> k`` of the window it opens.
       adaptive: the `AdaptiveEveryK` schedule, if any (fed by the noise scale).
       reduction: the `Mean` or `Sum` strategy.
-      accumulator_dtype: the canonical accumulator dtype policy.
+      accumulator_dtype: the canonical accumulator dtype policy (scalar or
+        `_dtypes.PerLeaf`).
       skip: the checked skip function (`_skip.Decider`), if any.
       devices: local, or per device of an axis name.
       data_axes: mesh axes over which the gradients arrive unreduced.
@@ -116,7 +117,8 @@ class Engine:
 
     def init_window(self, params: optax.Params) -> Window:
         inner_state = self.inner.init(params)
-        accumulator = jax.tree.map(self._buffer_like, params)
+        dtypes = _dtypes.resolve(self.accumulator_dtype, params)
+        accumulator = jax.tree.map(self._buffer_like, params, dtypes)
         slot = self.devices.slot
         value = ()
         if _extra_args.reads_value(self.inner, params, inner_state):
@@ -134,10 +136,9 @@ class Engine:
             noise=noise,
         )
 
-    def _buffer_like(self, x: jax.Array) -> jax.Array:
+    def _buffer_like(self, x: jax.Array, dtype: Any) -> jax.Array:
         """The accumulator leaf of a parameter: its sharding (unreduced over
         the data axes), never a replicated copy of a sharded parameter."""
-        dtype = _dtypes.for_gradient(jnp.result_type(x), self.accumulator_dtype)
         deferred = _partial_sums.deferrable(x, self.data_axes)
         zeros = _sharding.zeros_like(x, dtype, deferred)
         return self.devices.local(zeros)

@@ -167,7 +167,8 @@ class MultiSteps:
         returning ``(should_skip, skip_state)`` (or just ``should_skip``).
       accumulator_dtype: dtype of the accumulator: ``"promote"`` (the
         default: at least float32, of the gradient's own kind), a floating or
-        complex dtype, or ``None`` for the gradient's dtype.
+        complex dtype, or ``None`` for the gradient's dtype; or a pytree
+        prefix of the parameters with one of these per subtree.
       data_axes: as in `accumulate`: the mesh axes over which the gradients
         arrive unreduced (from `defer_reduction`), reduced once per update.
       noise_scale_decay: ``None`` (off) or the EMA decay in (0, 1) of the

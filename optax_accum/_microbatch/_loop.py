@@ -120,9 +120,10 @@ def _running_plan(ws: jax.Array | None, opts: Options, ctx: Context) -> Plan:
 def _narrow(grads: Any, opts: Options) -> bool:
     """Whether some gradient accumulates in a buffer narrower than float32
     (`_dtypes.is_narrow`), as `accumulate`'s running mean treats it."""
+    dtypes = _dtypes.resolve(opts.accumulator_dtype, grads)
     return any(
-        _dtypes.is_narrow(_dtypes.for_gradient(g.dtype, opts.accumulator_dtype))
-        for g in jax.tree.leaves(grads)
+        _dtypes.is_narrow(d)
+        for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(dtypes), strict=True)
         if _dtypes.is_differentiable(g.dtype)
     )
 
@@ -182,10 +183,8 @@ def _zeros(s: Any, dtype: Any) -> jax.Array:
 
 def _init(shapes: Call, state: Any, opts: Options) -> Carry:
     value = jax.tree.map(lambda s: _zeros(s, _dtypes.compute(s.dtype)), shapes.value)
-    grads = jax.tree.map(
-        lambda s: _zeros(s, _dtypes.for_gradient(s.dtype, opts.accumulator_dtype)),
-        shapes.grads,
-    )
+    dtypes = _dtypes.resolve(opts.accumulator_dtype, shapes.grads)
+    grads = jax.tree.map(_zeros, shapes.grads, dtypes)
     noise = ()
     if opts.decay is not None:
         like = jax.tree.leaves(shapes.grads)[0]

@@ -152,7 +152,9 @@ def microbatch(
         least float32, of each gradient's kind, so bf16 gradients accumulate
         in float32 at twice the carry's memory), a floating (or complex)
         dtype, or ``None`` for each gradient's dtype (values accumulate in at
-        least float32). Results come back in ``fun``'s dtypes.
+        least float32). Or a pytree prefix of the gradients with one of these
+        per subtree, as in `accumulate`. Results come back in ``fun``'s
+        dtypes.
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or axes) to
         reduce over once, after the loop.
       rng_argnums: positional argument(s) of ``fun`` holding PRNG keys.
