@@ -138,7 +138,7 @@ class Engine:
         """The accumulator leaf of a parameter: its sharding (unreduced over
         the data axes), never a replicated copy of a sharded parameter."""
         dtype = _dtypes.for_gradient(jnp.result_type(x), self.accumulator_dtype)
-        deferred = _partial_sums.deferrable(x, self.data_axes)
+        deferred = _sharding.deferrable(x, self.data_axes)
         zeros = _sharding.zeros_like(x, dtype, deferred)
         return self.devices.local(zeros)
 

@@ -154,9 +154,9 @@ def _pin(args: list, opts: Options) -> bool:
     """Whether to keep FSDP gathers per micro-batch (see `_compiler`)."""
     if opts.param_gather is not None:
         return opts.param_gather == "per_micro_batch"
-    batch_axes = _sharding.row_axes([args[i] for i in opts.batch_idx])
+    batch = [args[i] for i in opts.batch_idx]
     others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
-    return bool(batch_axes and _sharding.sharded_over(others, sorted(batch_axes)))
+    return _sharding.gathers_params(batch, others)
 
 
 def _rows(margs: list, opts: Options) -> int:
@@ -164,20 +164,8 @@ def _rows(margs: list, opts: Options) -> int:
     return jnp.shape(jax.tree.leaves(margs[opts.batch_idx[0]])[0])[0]
 
 
-def _varying_like(x: jax.Array, s: Any) -> jax.Array:
-    """``x`` varying over the manual axes ``s`` (a ShapeDtypeStruct) varies
-    over, as a ``shard_map`` loop carry must be."""
-    vary = tuple(getattr(s.manual_axis_type, "varying", ()) or ())
-    return _sharding.varying(x, vary)
-
-
-def _match(new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new`` varying over whatever manual axes ``old`` varies over."""
-    return _sharding.varying(new, tuple(jax.typeof(old).mat.varying))
-
-
 def _zeros(s: Any, dtype: Any) -> jax.Array:
-    return _varying_like(_sharding.zeros_for(s, dtype), s)
+    return _sharding.match_varying(_sharding.zeros_for(s, dtype), s)
 
 
 def _init(shapes: Call, state: Any, opts: Options) -> Carry:
@@ -189,11 +177,11 @@ def _init(shapes: Call, state: Any, opts: Options) -> Carry:
     noise = ()
     if opts.decay is not None:
         like = jax.tree.leaves(shapes.grads)[0]
-        noise = tuple(_varying_like(z, like) for z in ns.zero_stats()[:3])
+        noise = tuple(_sharding.match_varying(z, like) for z in ns.zero_stats()[:3])
     loss_scale = ()
     if shapes.scaled is not None:
         scale = jax.tree.map(lambda s: _zeros(s, s.dtype), shapes.scaled.loss_scale)
-        finite = _varying_like(jnp.bool_(True), shapes.scaled.finite)
+        finite = _sharding.match_varying(jnp.bool_(True), shapes.scaled.finite)
         loss_scale = (scale, finite)
     return Carry(value, grads, noise, loss_scale, state)
 
@@ -236,7 +224,8 @@ def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, row
         if how.in_backward:  # the gradient came scaled by m
             sq = _weights.ratio(sq, (m * m).astype(sq.dtype))
         w_noise = how.weights[i] if weighted else jnp.float32(rows)
-        noise = tuple(map(_match, ns.window_sums(noise, sq, w_noise), noise))
+        sums = ns.window_sums(noise, sq, w_noise)
+        noise = tuple(map(_sharding.match_varying, sums, noise))
     loss_scale = _loss_scale_step(carry.loss_scale, out, ctx)
     return Carry(value, grads, noise, loss_scale, out.state)
 

@@ -24,7 +24,7 @@ from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
 from .._typing import AccumulatorDType, AxisName, Reduction
 from ._call import batch_size
-from ._local import device_local, to_varying
+from ._local import device_local
 from ._loop import Loop, scan
 from ._options import (
     Context,
@@ -276,10 +276,10 @@ def _run(fun, opts: Options, args: list, kwargs: dict, state: Any) -> Loop:
     if opts.axis_name is not None:
         # Invariant inputs would get their cotangents psum-ed inside `fun`.
         args = [
-            a if i in opts.batch_idx else to_varying(a, opts.axis_name)
+            a if i in opts.batch_idx else _sharding.to_varying(a, opts.axis_name)
             for i, a in enumerate(args)
         ]
-        kwargs, state = to_varying((kwargs, state), opts.axis_name)
+        kwargs, state = _sharding.to_varying((kwargs, state), opts.axis_name)
         return scan(fun, args, kwargs, state, opts, Context(opts.axis_name))
     if opts.data_axes is not None:
         return device_local(fun, args, kwargs, state, opts, size)
