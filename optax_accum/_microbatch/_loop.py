@@ -153,7 +153,7 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
 def _pin(args: list, opts: Options) -> bool:
     """Whether to keep FSDP gathers per micro-batch (see `_compiler`)."""
     if opts.param_gather is not None:
-        return opts.param_gather == "per_micro_batch"
+        return opts.param_gather == "per_microbatch"
     batch = [args[i] for i in opts.batch_idx]
     others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
     return _sharding.gathers_params(batch, others)
