@@ -2,9 +2,10 @@
 # Copyright 2026 The optax_accum Authors.
 """The fused loop of `microbatch`: k micro-batches of ``fun`` in one `lax.scan`.
 
-The data path: the `plan` of the loop (all k weights first, in one vectorised
-pass, and each micro-batch's multiplier), the loop (`scan`: one micro-batch
-into the carry per step, `_add`) and the one reduction after it (`_finish`).
+The data path: all k weights first, in one vectorised pass (`_call.weights`),
+then the `plan` of the loop (each micro-batch's multiplier), the loop
+(`scan`: one micro-batch into the carry per step, `_add`) and the one
+reduction after it (`_finish`).
 Every k runs this one path: XLA removes a loop of one trip, so k = 1 costs no
 loop and has no semantics of its own. One micro-batch's arguments and one call
 of ``fun`` are `_call`'s.
@@ -31,7 +32,7 @@ from jax import lax
 from .. import _devices, _dtypes, _sharding, _weights
 from .. import _noise_scale as ns
 from .._loss_scale import ScaledGrads
-from ._call import Call, microbatch_args, run, views, weights
+from ._call import Call, microbatch_args, pinned, run, views, weights
 from ._options import Context, Options
 
 
@@ -77,16 +78,14 @@ class Loop(NamedTuple):
     scaled: ScaledGrads | None  # the step's loss scale and finiteness
 
 
-def plan(args, batch_views, shapes: Call, opts: Options, ctx: Context) -> Plan:
-    """The weights, multipliers and divisor of the loop (see `Plan`)."""
+def plan(ws: jax.Array | None, shapes: Call, opts: Options, ctx: Context) -> Plan:
+    """The multipliers and divisor of the loop for the weights ``ws`` (None:
+    unweighted) (see `Plan`)."""
     devices = 1 if ctx.axes is None else lax.axis_size(ctx.axes)
     count = opts.k * devices
     # Device-local: each device holds 1/devices of every micro-batch.
     parts = devices if ctx.local else 1
     running = _narrow(shapes.grads, opts) and opts.reduction.runs_in_narrow_buffers()
-    ws = None
-    if opts.weight_fn is not None:
-        ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
     if running:
         return _running_plan(ws, opts, ctx)
     if ws is None:
@@ -130,12 +129,15 @@ def _narrow(grads: Any, opts: Options) -> bool:
 def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context):
     """The fused loop: a `Loop`, reduced over ``ctx.axes`` if any."""
     batch_views = views(args, opts)
-    pin = _pin(args, opts)
+    pin = pinned(args, opts)
     margs0 = microbatch_args(args, batch_views, jnp.int32(0), opts, ctx, pin)
     full = jax.eval_shape(lambda s: run(fun, margs0, kwargs, s, opts), state)
     # Integer inputs' float0 gradients skip the loop and come back as they are.
     shapes = full._replace(grads=_dtypes.without_float0(full.grads))
-    how = plan(args, batch_views, shapes, opts, ctx)
+    ws = None  # all k weights first, in one vectorised pass
+    if opts.weight_fn is not None:
+        ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
+    how = plan(ws, shapes, opts, ctx)
 
     def body(carry: Carry, i: jax.Array):
         margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
@@ -148,15 +150,6 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     carry, aux = lax.scan(body, init, jnp.arange(opts.k, dtype=jnp.int32))
     out = _finish(carry, aux, how, shapes, opts, ctx)
     return out._replace(grads=_dtypes.with_float0(out.grads, full.grads))
-
-
-def _pin(args: list, opts: Options) -> bool:
-    """Whether to keep FSDP gathers per micro-batch (see `_compiler`)."""
-    if opts.param_gather is not None:
-        return opts.param_gather == "per_microbatch"
-    batch = [args[i] for i in opts.batch_idx]
-    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
-    return _sharding.gathers_params(batch, others)
 
 
 def _rows(margs: list, opts: Options) -> int:

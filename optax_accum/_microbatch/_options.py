@@ -51,10 +51,12 @@ class Options:
     argnums: int | tuple[int, ...] | None = None
     # Which ``aux`` leaves hold the micro-batch's rows (device-local mode).
     aux_rows: Any = None
+    # Whether the library differentiates ``fun`` (the loss face): fixed here,
+    # so the loop reads a field rather than coming back for a rule.
+    differentiates: bool = dataclasses.field(init=False)
 
-    @property
-    def differentiates(self) -> bool:
-        return self.argnums is not None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "differentiates", self.argnums is not None)
 
 
 @dataclasses.dataclass(frozen=True)
