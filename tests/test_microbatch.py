@@ -636,5 +636,9 @@ def test_both_faces_take_the_keywords_declared_once(face, first):
         assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
         assert f"\n      {f.name}: " in face.__doc__
     assert "{keywords}" not in face.__doc__
-    with pytest.raises(TypeError, match=f"{face.__name__}.. got an unexpected"):
-        face(lambda w, x: x, 2, num_microbatch=2)
+    for wrong in ("num_microbatch", "stateful", "face"):
+        with pytest.raises(TypeError, match=f"{face.__name__}.. got an unexpected"):
+            face(lambda w, x: x, 2, **{wrong: 2})
+    if face is optax_accum.microbatch:  # the loss face's own keyword
+        with pytest.raises(TypeError, match="unexpected keyword argument 'argnums'"):
+            face(lambda w, x: x, 2, argnums=0)

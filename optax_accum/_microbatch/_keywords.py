@@ -12,6 +12,7 @@ face. The checked form the loop trusts is `_options.Options`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import textwrap
 from collections.abc import Callable, Sequence
@@ -174,14 +175,27 @@ def _parameters() -> list[inspect.Parameter]:
 def takes_keywords(fn: F) -> F:
     """``fn(..., **kwargs)`` presented as taking the `Keywords`: its
     ``__signature__`` lists them after its own parameters (``**kwargs``
-    dropped), and its docstring's marker line becomes their Args entries."""
+    dropped), its docstring's marker line becomes their Args entries, and any
+    other keyword raises a TypeError in its name, as Python would (so that
+    `options`' own keywords, such as ``argnums``, cannot slip through)."""
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
-    fn.__signature__ = sig.replace(parameters=own + _parameters())
+    allowed = {p.name for p in own} | set(NAMES)
+
+    @functools.wraps(fn)
+    def face(*args: Any, **kwargs: Any) -> Any:
+        for name in kwargs:
+            if name not in allowed:
+                raise TypeError(
+                    f"{fn.__name__}() got an unexpected keyword argument {name!r}"
+                )
+        return fn(*args, **kwargs)
+
+    face.__signature__ = sig.replace(parameters=own + _parameters())
     lines = (fn.__doc__ or "").split("\n")
     for i, line in enumerate(lines):
         if line.strip() == MARKER:
             indent = line[: len(line) - len(line.lstrip())]
             lines[i] = _args_entries(indent)
-    fn.__doc__ = "\n".join(lines)
-    return fn
+    face.__doc__ = "\n".join(lines)
+    return face  # type: ignore[return-value]
