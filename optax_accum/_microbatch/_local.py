@@ -8,8 +8,8 @@ those axes. This module owns what that takes: the ``shard_map`` around the
 loop, which inputs are the batch and which are cast to varying (so their
 cotangents stay local), and reducing the threaded state and ``aux`` over the
 devices. The mesh, and the check that the axes shard no parameter, are the
-layout's (`_sharding.data_mesh`). The loop itself, and its one reduction of values
-and gradients, are `_loop`'s.
+layout's (`_sharding.data_mesh`). The loop itself, and its one reduction of
+values and gradients, are `_loop`'s.
 """
 
 from __future__ import annotations

@@ -22,9 +22,7 @@ from .. import _checks, _dtypes, _reduction
 from .. import _noise_scale as ns
 from .._deprecations import warn
 from .._reduction import Mean, Sum
-from ._keywords import Keywords as Keywords
-from ._keywords import WeightFn as WeightFn
-from ._keywords import given
+from ._keywords import WeightFn, given
 
 PARAM_GATHER = ("per_microbatch", "once", None)
 
