@@ -20,7 +20,7 @@ a. ``accumulate`` (global view) and ``accumulate`` + ``defer_reduction`` vs
 b. ``microbatch`` under HSDP with ``data_axes="data"`` vs a hand-written
    ``lax.scan`` with the same collective pattern (``shard_map`` over
    ``"data"``, FSDP gathers per micro-batch, one ``psum`` after the loop); and
-   under FSDP, ``param_gather="per_micro_batch"`` vs ``"once"``.
+   under FSDP, ``param_gather="per_microbatch"`` vs ``"once"``.
 c. The collectives per update read from the compiled HLO (``tests/helpers/hlo.py``):
    those that cross the ``"data"`` axis and those that do not, per call / in
    the loop and at the boundary / after the loop; and the accumulator's bytes

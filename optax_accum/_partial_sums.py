@@ -12,27 +12,15 @@ reduction per update.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from . import _dtypes
 from ._deprecations import renamed_arguments
-from ._sharding import axes_of, axis_types, explicit_spec, unreduced, used_axes
-
-
-def deferrable(x: Any, axes: Sequence[str]) -> frozenset:
-    """Of ``axes``, those that do not shard ``x``: its gradient's pure
-    data-parallel reduction over them can wait."""
-    spec = explicit_spec(x)
-    if spec is None or not jnp.issubdtype(jnp.result_type(x.dtype), jnp.inexact):
-        return frozenset()
-    return frozenset(a for a in axes if a not in used_axes(spec))
+from ._sharding import deferrable, explicit_axes, explicit_spec, unreduced
 
 
 def for_partial(scalar: jax.Array, like: Any) -> jax.Array:
@@ -120,16 +108,7 @@ def defer_reduction(params: optax.Params, data_axes: Any) -> optax.Params:
       >>> jax.typeof(g).sharding.spec.unreduced
       frozenset({'data'})
     """
-    names = axes_of(data_axes)
-    mesh = jax.sharding.get_abstract_mesh()
-    types = axis_types(mesh)
-    if not names or any(types.get(n) != AxisType.Explicit for n in names):
-        raise ValueError(
-            "`data_axes` must name Explicit axes of the current mesh, got "
-            f"{data_axes!r} "
-            f"(mesh axes {mesh.axis_names}, types {mesh.axis_types}); call under "
-            "`jax.set_mesh(mesh)`."
-        )
+    names = explicit_axes(data_axes)
 
     def mark(x):
         extra = deferrable(x, names)

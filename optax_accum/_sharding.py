@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Where arrays live on a mesh: the one module that reads shardings.
+"""The mesh layout: the one module that reads shardings and mesh axes.
 
-The engines (`accumulate`, `microbatch`) ask it how to make a per-parameter
-buffer (the accumulator, the zeros of a hold step, the scan carry) with exactly
-its parameter's sharding, never replicated; which mesh axes shard the batch
-but not a parameter (pure data parallelism); how to split a sharded batch into
-micro-batches without a copy; and what shardings an optimizer state should
-get (`state_shardings`). Only public JAX API is used. The arithmetic on
-unreduced partial sums is `_partial_sums`'.
+Every face (`accumulate`, `microbatch`, the Flax steps, the pipeline) asks it
+how to make a per-parameter buffer (the accumulator, the zeros of a hold step,
+the scan carry) with exactly its parameter's sharding, never replicated; which
+mesh axes shard the batch but not a parameter (the data axes), and on which
+mesh a device-local loop runs over them (`data_mesh`, `batch_axes`); how to
+cast values to varying over manual axes (`varying`, `to_varying`,
+`match_varying`) and whether a trace runs per device (`is_manual`); how to
+place and reshard (`onto_mesh`, `replicated`, `reshard_to`, `reshard_like`,
+`same_spec`); how to split a sharded batch into micro-batches without a copy;
+and what shardings an optimizer state should get (`state_shardings`). Only
+public JAX API is used. The arithmetic on unreduced partial sums is
+`_partial_sums`'.
 
 Collectives that belong to the parameters' own sharding (the all-gather of
 FSDP weights, the reduce-scatter of their gradients) are the user's loss's,
@@ -79,6 +84,31 @@ def varying(x: jax.Array, axes: Sequence[Any]) -> jax.Array:
     it can stand in a loop carry beside values that vary."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def to_varying(tree: Any, axes: Sequence[Any]) -> Any:
+    """`varying` on every array leaf of ``tree`` (others pass): inputs whose
+    cotangents must stay per device (no psum inside ``fun``)."""
+    return jax.tree.map(
+        lambda x: varying(x, axes) if isinstance(x, jax.Array) else x, tree
+    )
+
+
+def match_varying(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` varying over the manual axes ``like`` (an array, or a
+    ShapeDtypeStruct from ``eval_shape``) varies over, as a loop carry must."""
+    if isinstance(like, jax.ShapeDtypeStruct):
+        vary = getattr(like.manual_axis_type, "varying", ())
+    else:
+        vary = jax.typeof(like).mat.varying
+    return varying(x, tuple(vary or ()))
+
+
+def is_manual(axes: Sequence[str] | None) -> bool:
+    """Whether this trace runs per device of ``axes`` (all of them Manual:
+    inside ``shard_map`` over them); False for None."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return axes is not None and all(a in manual for a in axes)
 
 
 def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> Any:
@@ -187,11 +217,121 @@ def sharded_over(tree: Any, axes: Sequence[str]) -> list[str]:
     return found
 
 
+def batch_axes(batch: Any, exclude: Sequence[str] = ()) -> tuple[str, ...]:
+    """The mesh axes (in the current mesh's order) that shard the rows of
+    ``batch``, less ``exclude``: the data axes a batch's sharding implies."""
+    rows = row_axes(batch)
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh.axis_names if a in rows and a not in exclude)
+
+
+def gathers_params(batch: Any, params: Any) -> bool:
+    """Whether some leaf of ``params`` is sharded over a mesh axis that
+    shards ``batch``'s rows (FSDP, HSDP): its gathers are per call."""
+    axes = row_axes(batch)
+    return bool(axes and sharded_over(params, sorted(axes)))
+
+
+def deferrable(x: Any, axes: Sequence[str]) -> frozenset:
+    """Of ``axes``, those that do not shard ``x``: its gradient's pure
+    data-parallel reduction over them can wait."""
+    spec = explicit_spec(x)
+    if spec is None or not jnp.issubdtype(jnp.result_type(x.dtype), jnp.inexact):
+        return frozenset()
+    return frozenset(a for a in axes if a not in used_axes(spec))
+
+
+def data_mesh(batch: Any, params: Any, axes: tuple[str, ...]) -> Any:
+    """The mesh to run a device-local loop over the data axes ``axes`` on,
+    with ``axes`` checked against it and against ``params``.
+
+    The mesh comes from ``jax.set_mesh`` or the batch's sharding. ``params``
+    (anything but the batch) sharded over ``axes`` (FSDP) are refused: the
+    loop would gather them whole.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        meshes = [
+            s.mesh
+            for x in jax.tree.leaves(batch)
+            if isinstance(s := getattr(jax.typeof(x), "sharding", None), NamedSharding)
+            and not s.mesh.empty
+        ]
+        if not meshes:
+            raise ValueError(
+                f"`data_axes`={axes!r} needs a mesh: call under `jax.set_mesh(mesh)`."
+            )
+        mesh = meshes[0]
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"`data_axes`={axes!r} names {missing}, not axes of the mesh "
+            f"{mesh.axis_names}."
+        )
+    clash = sharded_over(params, axes)
+    if clash:
+        raise ValueError(
+            f"`data_axes`={axes!r} must name only mesh axes that shard the "
+            "batch but no parameter: the device-local loop would gather these "
+            f"whole: {clash}. Name the pure data-parallel axes (HSDP: "
+            '`data_axes="data"`), or keep the global view (`data_axes=None`).'
+        )
+    return mesh
+
+
+def explicit_axes(data_axes: Any) -> tuple[str, ...]:
+    """``data_axes`` as names, checked to be Explicit axes of the current mesh
+    (where `defer_reduction` can type values reduced over them)."""
+    names = axes_of(data_axes)
+    mesh = jax.sharding.get_abstract_mesh()
+    types = axis_types(mesh)
+    if not names or any(types.get(n) != AxisType.Explicit for n in names):
+        raise ValueError(
+            "`data_axes` must name Explicit axes of the current mesh, got "
+            f"{data_axes!r} "
+            f"(mesh axes {mesh.axis_names}, types {mesh.axis_types}); call under "
+            "`jax.set_mesh(mesh)`."
+        )
+    return names
+
+
 def _canonical(spec: P, ndim: int) -> tuple:
     """``spec`` in a form where ``P()`` and ``P(None, None)`` compare equal."""
     entries = [axes_of(e) or None for e in spec.partitions]
     entries += [None] * (ndim - len(entries))
     return tuple(entries), frozenset(spec.unreduced), frozenset(spec.reduced)
+
+
+def same_spec(a: P | None, b: P | None, ndim: int) -> bool:
+    """Whether specs ``a`` and ``b`` place an ``ndim``-array alike (None, ``P()``
+    and ``P(None, None)`` all mean replicated)."""
+    return _canonical(a or P(), ndim) == _canonical(b or P(), ndim)
+
+
+def reshard_to(tree: Any, spec: P) -> Any:
+    """``tree``'s leaves resharded to ``spec`` where an Explicit mesh places
+    them otherwise (``shard_map`` takes its inputs as its specs say); a no-op
+    off Explicit meshes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if AxisType.Explicit not in tuple(mesh.axis_types):
+        return tree
+
+    def place(x):
+        if same_spec(explicit_spec(x), spec, x.ndim):
+            return x
+        return jax.sharding.reshard(x, spec)
+
+    return jax.tree.map(place, tree)
+
+
+def reshard_like(tree: Any, params: Any) -> Any:
+    """``tree`` (gradients) resharded like its Explicit-mesh ``params``."""
+
+    def like(g, p):
+        spec = explicit_spec(p)
+        return g if spec is None else reshard_to(g, spec)
+
+    return jax.tree.map(like, tree, params)
 
 
 def check_like(grads: Any, accumulator: Any, slot: int) -> None:

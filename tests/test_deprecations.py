@@ -57,6 +57,24 @@ def test_microbatch_old_keywords():
         np.testing.assert_allclose(old(jnp.float32(1.0), x), new)
 
 
+@pytest.mark.parametrize(
+    "face",
+    [
+        lambda **kw: optax_accum.microbatch(_grad_fn(), 4, **kw),
+        lambda **kw: optax_accum.microbatch_value_and_grad(
+            lambda w, x: jnp.mean((x * w) ** 2), 4, **kw
+        ),
+    ],
+    ids=["microbatch", "microbatch_value_and_grad"],
+)
+def test_param_gather_per_micro_batch_is_per_microbatch(face):
+    x = jnp.arange(8.0)
+    new = face(param_gather="per_microbatch")(jnp.float32(1.0), x)
+    with pytest.warns(DeprecationWarning, match='`param_gather="per_microbatch"`'):
+        old = face(param_gather="per_micro_batch")
+    np.testing.assert_allclose(old(jnp.float32(1.0), x), new)
+
+
 def test_passing_both_spellings_is_an_error():
     with pytest.raises(TypeError, match="both `num_micro_batches`"):
         optax_accum.microbatch(_grad_fn(), num_microbatches=4, num_micro_batches=4)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
@@ -610,3 +611,34 @@ def test_weighted_loop_costs_what_the_unweighted_one_does():
 
     weighted = flops(weight_fn=lambda x, y: jnp.float32(x.shape[0]))
     assert weighted < 1.1 * flops()
+
+
+@pytest.mark.parametrize(
+    "face, first",
+    [
+        (optax_accum.microbatch, ["fun", "num_microbatches"]),
+        (
+            optax_accum.microbatch_value_and_grad,
+            ["loss", "num_microbatches", "argnums"],
+        ),
+    ],
+)
+def test_both_faces_take_the_keywords_declared_once(face, first):
+    # Issue 27: one declaration (`_microbatch._keywords.Keywords`) feeds both
+    # faces' signatures and the keywords' Args entries of their docstrings.
+    from optax_accum._microbatch import Keywords
+
+    declared = [f.name for f in dataclasses.fields(Keywords)]
+    params = inspect.signature(face).parameters
+    assert list(params) == first + declared
+    for f in dataclasses.fields(Keywords):
+        assert params[f.name].default == f.default
+        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert f"\n      {f.name}: " in face.__doc__
+    assert "{keywords}" not in face.__doc__
+    for wrong in ("num_microbatch", "stateful", "face"):
+        with pytest.raises(TypeError, match=f"{face.__name__}.. got an unexpected"):
+            face(lambda w, x: x, 2, **{wrong: 2})
+    if face is optax_accum.microbatch:  # the loss face's own keyword
+        with pytest.raises(TypeError, match="unexpected keyword argument 'argnums'"):
+            face(lambda w, x: x, 2, argnums=0)

@@ -5,8 +5,10 @@
 Weight 0 contributes nothing; a NaN, infinite or negative weight rejects its
 micro-batch and leaves the rest of the window as if it were absent; any finite
 positive weight is honoured, however large; a constant that does not fit the
-weight dtype raises. Each case is checked against a hand-computed value, on
-one device, per device under ``axis_name`` and in the device-local loop.
+weight dtype raises (a Python or NumPy number, or an eager jax.Array), while
+a traced bad weight cannot raise and rejects its micro-batch. Each case is
+checked against a hand-computed value, on one device, per device under
+``axis_name`` and in the device-local loop.
 """
 
 from __future__ import annotations
@@ -75,13 +77,66 @@ def test_huge_weights_are_honoured_not_overflowed():
     np.testing.assert_allclose(mb, 2.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("weight", [1e39, 1e-40, -1.0, float("nan")])
-def test_constant_weights_that_do_not_fit_float32_raise(weight):
+BAD = "`weight` must be finite and >= 0"
+
+
+@pytest.mark.parametrize(
+    "weight, match",
+    [
+        (1e39, "`weight`"),
+        (1e-40, "`weight`"),
+        (-1.0, BAD),
+        (float("nan"), BAD),
+        (np.float32(np.inf), BAD),  # a NumPy scalar, as a Python float
+    ],
+)
+def test_constant_weights_that_do_not_fit_float32_raise(weight, match):
     tx = optax_accum.accumulate(optax.sgd(1.0), 2)
     params = jnp.zeros(2)
     state = tx.init(params)
-    with pytest.raises(ValueError, match="`weight`"):
+    with pytest.raises(ValueError, match=match):
         tx.update(jnp.ones(2), state, params, weight=weight)
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -1.0])
+def test_bad_traced_weight_rejects_the_micro_batch(bad):
+    # A traced bad weight cannot raise: it rejects its micro-batch, which
+    # counts as skipped, emits nothing and leaves the window as if never seen.
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    update = jax.jit(tx.update)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    u, state = update({"a": jnp.float32(1.0)}, state, params, weight=1.0)
+    u, state = update({"a": jnp.float32(5.0)}, state, params, weight=bad)
+    assert float(u["a"]) == 0.0 and not optax_accum.has_updated(state)
+    u, state = update({"a": jnp.float32(3.0)}, state, params, weight=1.0)
+    assert float(u["a"]) == -2.0  # the mean of 1 and 3
+    assert int(state.num_skipped) == 1
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.nan, 1e39, 1e-40])
+def test_concrete_jax_array_bad_weight_raises_like_a_constant(bad):
+    # Eagerly, a jax.Array's value is known: it raises as the Python value
+    # does (jnp.float32(1e39) is inf). Under jit it is traced and rejected.
+    with np.errstate(over="ignore"):
+        bad = jnp.float32(bad)
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="`weight`"):
+        tx.update({"a": jnp.float32(1.0)}, state, params, weight=bad)
+    _, state = jax.jit(tx.update)({"a": jnp.float32(1.0)}, state, params, weight=bad)
+    # A traced subnormal weight is flushed to 0: weight 0, not a rejection.
+    assert int(state.num_skipped) == (0 if 0 < float(bad) < 1e-38 else 1)
+
+
+def test_concrete_float64_weight_that_overflows_float32_raises():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros([])}
+    with jax.enable_x64(True):
+        state = tx.init(params)
+        with pytest.raises(ValueError, match="overflows float32"):
+            tx.update(params, state, params, weight=jnp.asarray(1e39, jnp.float64))
 
 
 def test_largest_and_smallest_normal_weights_are_accepted():

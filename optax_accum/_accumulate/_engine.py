@@ -139,7 +139,7 @@ class Engine:
     def _buffer_like(self, x: jax.Array, dtype: Any) -> jax.Array:
         """The accumulator leaf of a parameter: its sharding (unreduced over
         the data axes), never a replicated copy of a sharded parameter."""
-        deferred = _partial_sums.deferrable(x, self.data_axes)
+        deferred = _sharding.deferrable(x, self.data_axes)
         zeros = _sharding.zeros_like(x, dtype, deferred)
         return self.devices.local(zeros)
 

@@ -75,6 +75,18 @@ def views(args: list, opts: Options) -> dict[int, Any]:
     return {i: jax.tree.map(view, args[i]) for i in opts.batch_idx}
 
 
+def pinned(args: list, opts: Options) -> bool:
+    """Whether the arguments that are not the batch pass the optimization
+    barrier of `microbatch_args`, keeping FSDP gathers per micro-batch (see
+    `_compiler`): as ``param_gather`` says, else where the layout gathers some
+    parameter over the batch's axes."""
+    if opts.param_gather is not None:
+        return opts.param_gather == "per_microbatch"
+    batch = [args[i] for i in opts.batch_idx]
+    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
+    return _sharding.gathers_params(batch, others)
+
+
 def microbatch_args(
     args: list, batch_views: dict, i: Any, opts: Options, ctx: Context, pin: bool
 ) -> list:

@@ -15,27 +15,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._typing import AccumulatorDType, AxisName, Reduction
+from ._keywords import takes_keywords
 from ._microbatch import _microbatched
-from ._options import WeightFn, check_callable, options
+from ._options import check_callable, options
 
 
+@takes_keywords
 def microbatch_value_and_grad(
     loss: Callable[..., Any],
     num_microbatches: int,
     *,
     argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    batch_argnums: int | Sequence[int] = 1,
-    reduction: Reduction = "mean",
-    weight_fn: WeightFn | None = None,
-    accumulator_dtype: AccumulatorDType = "promote",
-    axis_name: AxisName | None = None,
-    rng_argnums: int | Sequence[int] = (),
-    data_axes: AxisName | None = None,
-    param_gather: str | None = None,
-    noise_scale_decay: float | None = None,
-    aux_rows: Any = None,
+    **kwargs: Any,
 ) -> Callable[..., Any]:
     r"""`jax.value_and_grad` of ``loss`` over micro-batches, in one `lax.scan`.
 
@@ -69,17 +60,7 @@ def microbatch_value_and_grad(
       argnums: as in `jax.value_and_grad`: the argument(s) to differentiate
         (an int gives their gradients, a tuple a tuple of them). They must
         not hold the batch or keys.
-      has_aux: whether ``loss`` returns ``(value, aux)``.
-      batch_argnums: positional argument(s) holding the batch.
-      reduction: ``"mean"`` or ``"sum"``, as in `microbatch`.
-      weight_fn: optional `WeightFn`, as in `microbatch`.
-      accumulator_dtype: as in `microbatch`.
-      axis_name: as in `microbatch`.
-      rng_argnums: as in `microbatch`.
-      data_axes: as in `microbatch`.
-      param_gather: as in `microbatch`.
-      noise_scale_decay: as in `microbatch`.
-      aux_rows: as in `microbatch`.
+      {keywords}
 
     Returns:
       A function with ``loss``'s arguments that returns what
@@ -105,18 +86,9 @@ def microbatch_value_and_grad(
     check_callable(loss)
     opts = options(
         num_microbatches,
-        batch_argnums=batch_argnums,
-        has_aux=has_aux,
-        reduction=reduction,
-        weight_fn=weight_fn,
-        accumulator_dtype=accumulator_dtype,
-        axis_name=axis_name,
-        rng_argnums=rng_argnums,
-        data_axes=data_axes,
-        param_gather=param_gather,
-        noise_scale_decay=noise_scale_decay,
-        aux_rows=aux_rows,
         argnums=argnums,
+        face="microbatch_value_and_grad",
+        **kwargs,
     )
     return _microbatched(loss, opts)
 
@@ -131,4 +103,7 @@ def value_and_grad_with_state(
     ``(((value, aux), grads), final_state)``. The Flax helpers use it."""
     check_callable(loss)
     kwargs.setdefault("argnums", 0)
-    return _microbatched(loss, options(num_microbatches, stateful=True, **kwargs))
+    opts = options(
+        num_microbatches, stateful=True, face="value_and_grad_with_state", **kwargs
+    )
+    return _microbatched(loss, opts)

@@ -4,11 +4,12 @@
 
 With ``data_axes`` the user declares that ``fun`` treats rows independently,
 so each device can run the loop on its own rows inside ``jax.shard_map`` over
-those axes. This module owns what that takes: finding the mesh, refusing axes
-that shard a parameter (the loop would gather it whole), casting inputs to
-varying so their cotangents stay local, and reducing the threaded state and
-``aux`` over the devices. The loop itself, and its one reduction of values
-and gradients, are `_loop`'s.
+those axes. This module owns what that takes: the ``shard_map`` around the
+loop, which inputs are the batch and which are cast to varying (so their
+cotangents stay local), and reducing the threaded state and ``aux`` over the
+devices. The mesh, and the check that the axes shard no parameter, are the
+layout's (`_sharding.data_mesh`). The loop itself, and its one reduction of
+values and gradients, are `_loop`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _sharding, _weights
@@ -28,54 +28,6 @@ from ._options import Context, Options
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array)
-
-
-def batch_mesh(args: list, kwargs: dict, state: Any, opts: Options) -> Any:
-    """The mesh to run the device-local loop on, with ``opts.data_axes``
-    checked against it and against the parameters.
-
-    The mesh comes from ``jax.set_mesh`` or the batch's sharding. Parameters
-    sharded over the named axes (FSDP) are refused: the loop would gather
-    them whole.
-    """
-    axes = opts.data_axes
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        meshes = [
-            s.mesh
-            for i in opts.batch_idx
-            for x in jax.tree.leaves(args[i])
-            if isinstance(s := getattr(jax.typeof(x), "sharding", None), NamedSharding)
-            and not s.mesh.empty
-        ]
-        if not meshes:
-            raise ValueError(
-                f"`data_axes`={axes!r} needs a mesh: call under `jax.set_mesh(mesh)`."
-            )
-        mesh = meshes[0]
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"`data_axes`={axes!r} names {missing}, not axes of the mesh "
-            f"{mesh.axis_names}."
-        )
-    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
-    clash = _sharding.sharded_over((others, kwargs, state), axes)
-    if clash:
-        raise ValueError(
-            f"`data_axes`={axes!r} must name only mesh axes that shard the "
-            "batch but no parameter: the device-local loop would gather these "
-            f"whole: {clash}. Name the pure data-parallel axes (HSDP: "
-            '`data_axes="data"`), or keep the global view (`data_axes=None`).'
-        )
-    return mesh
-
-
-def to_varying(tree: Any, axes: tuple) -> Any:
-    """Array leaves cast to varying, so their cotangents stay local (no psum)."""
-    return jax.tree.map(
-        lambda x: _sharding.varying(x, axes) if _is_array(x) else x, tree
-    )
 
 
 def _reduce_state(new: jax.Array, old: Any, axes: tuple) -> jax.Array:
@@ -107,7 +59,9 @@ def device_local(
 ) -> Loop:
     """The loop per device in ``shard_map`` over ``opts.data_axes``; its one
     reduction runs inside. ``size`` is the global batch size."""
-    mesh = batch_mesh(args, kwargs, state, opts)
+    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
+    batch = [args[i] for i in opts.batch_idx]
+    mesh = _sharding.data_mesh(batch, (others, kwargs, state), opts.data_axes)
     axes, k = opts.data_axes, opts.k
     n_dev = _sharding.mesh_size(mesh, axes)
     if (size // n_dev) % k:
@@ -130,7 +84,7 @@ def device_local(
     def rebuild(leaves, cast):
         full = list(flat)
         for i, x in zip(dyn, leaves, strict=True):
-            full[i] = to_varying(x, axes) if cast and not is_batch[i] else x
+            full[i] = _sharding.to_varying(x, axes) if cast and not is_batch[i] else x
         return jax.tree.unflatten(treedef, full)
 
     def per_device(*leaves):

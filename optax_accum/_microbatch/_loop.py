@@ -2,9 +2,10 @@
 # Copyright 2026 The optax_accum Authors.
 """The fused loop of `microbatch`: k micro-batches of ``fun`` in one `lax.scan`.
 
-The data path: the `plan` of the loop (all k weights first, in one vectorised
-pass, and each micro-batch's multiplier), the loop (`scan`: one micro-batch
-into the carry per step, `_add`) and the one reduction after it (`_finish`).
+The data path: all k weights first, in one vectorised pass (`_call.weights`),
+then the `plan` of the loop (each micro-batch's multiplier), the loop
+(`scan`: one micro-batch into the carry per step, `_add`) and the one
+reduction after it (`_finish`).
 Every k runs this one path: XLA removes a loop of one trip, so k = 1 costs no
 loop and has no semantics of its own. One micro-batch's arguments and one call
 of ``fun`` are `_call`'s.
@@ -31,7 +32,7 @@ from jax import lax
 from .. import _devices, _dtypes, _sharding, _weights
 from .. import _noise_scale as ns
 from .._loss_scale import ScaledGrads
-from ._call import Call, microbatch_args, run, views, weights
+from ._call import Call, microbatch_args, pinned, run, views, weights
 from ._options import Context, Options
 
 
@@ -77,16 +78,14 @@ class Loop(NamedTuple):
     scaled: ScaledGrads | None  # the step's loss scale and finiteness
 
 
-def plan(args, batch_views, shapes: Call, opts: Options, ctx: Context) -> Plan:
-    """The weights, multipliers and divisor of the loop (see `Plan`)."""
+def plan(ws: jax.Array | None, shapes: Call, opts: Options, ctx: Context) -> Plan:
+    """The multipliers and divisor of the loop for the weights ``ws`` (None:
+    unweighted) (see `Plan`)."""
     devices = 1 if ctx.axes is None else lax.axis_size(ctx.axes)
     count = opts.k * devices
     # Device-local: each device holds 1/devices of every micro-batch.
     parts = devices if ctx.local else 1
     running = _narrow(shapes.grads, opts) and opts.reduction.runs_in_narrow_buffers()
-    ws = None
-    if opts.weight_fn is not None:
-        ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
     if running:
         return _running_plan(ws, opts, ctx)
     if ws is None:
@@ -131,12 +130,15 @@ def _narrow(grads: Any, opts: Options) -> bool:
 def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context):
     """The fused loop: a `Loop`, reduced over ``ctx.axes`` if any."""
     batch_views = views(args, opts)
-    pin = _pin(args, opts)
+    pin = pinned(args, opts)
     margs0 = microbatch_args(args, batch_views, jnp.int32(0), opts, ctx, pin)
     full = jax.eval_shape(lambda s: run(fun, margs0, kwargs, s, opts), state)
     # Integer inputs' float0 gradients skip the loop and come back as they are.
     shapes = full._replace(grads=_dtypes.without_float0(full.grads))
-    how = plan(args, batch_views, shapes, opts, ctx)
+    ws = None  # all k weights first, in one vectorised pass
+    if opts.weight_fn is not None:
+        ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
+    how = plan(ws, shapes, opts, ctx)
 
     def body(carry: Carry, i: jax.Array):
         margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
@@ -151,34 +153,13 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     return out._replace(grads=_dtypes.with_float0(out.grads, full.grads))
 
 
-def _pin(args: list, opts: Options) -> bool:
-    """Whether to keep FSDP gathers per micro-batch (see `_compiler`)."""
-    if opts.param_gather is not None:
-        return opts.param_gather == "per_micro_batch"
-    batch_axes = _sharding.row_axes([args[i] for i in opts.batch_idx])
-    others = [a for i, a in enumerate(args) if i not in opts.batch_idx]
-    return bool(batch_axes and _sharding.sharded_over(others, sorted(batch_axes)))
-
-
 def _rows(margs: list, opts: Options) -> int:
     """Rows of a micro-batch as ``fun`` sees it (the noise scale's unit)."""
     return jnp.shape(jax.tree.leaves(margs[opts.batch_idx[0]])[0])[0]
 
 
-def _varying_like(x: jax.Array, s: Any) -> jax.Array:
-    """``x`` varying over the manual axes ``s`` (a ShapeDtypeStruct) varies
-    over, as a ``shard_map`` loop carry must be."""
-    vary = tuple(getattr(s.manual_axis_type, "varying", ()) or ())
-    return _sharding.varying(x, vary)
-
-
-def _match(new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new`` varying over whatever manual axes ``old`` varies over."""
-    return _sharding.varying(new, tuple(jax.typeof(old).mat.varying))
-
-
 def _zeros(s: Any, dtype: Any) -> jax.Array:
-    return _varying_like(_sharding.zeros_for(s, dtype), s)
+    return _sharding.match_varying(_sharding.zeros_for(s, dtype), s)
 
 
 def _init(shapes: Call, state: Any, opts: Options) -> Carry:
@@ -188,11 +169,11 @@ def _init(shapes: Call, state: Any, opts: Options) -> Carry:
     noise = ()
     if opts.decay is not None:
         like = jax.tree.leaves(shapes.grads)[0]
-        noise = tuple(_varying_like(z, like) for z in ns.zero_stats()[:3])
+        noise = tuple(_sharding.match_varying(z, like) for z in ns.zero_stats()[:3])
     loss_scale = ()
     if shapes.scaled is not None:
         scale = jax.tree.map(lambda s: _zeros(s, s.dtype), shapes.scaled.loss_scale)
-        finite = _varying_like(jnp.bool_(True), shapes.scaled.finite)
+        finite = _sharding.match_varying(jnp.bool_(True), shapes.scaled.finite)
         loss_scale = (scale, finite)
     return Carry(value, grads, noise, loss_scale, state)
 
@@ -235,7 +216,8 @@ def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, row
         if how.in_backward:  # the gradient came scaled by m
             sq = _weights.ratio(sq, (m * m).astype(sq.dtype))
         w_noise = how.weights[i] if weighted else jnp.float32(rows)
-        noise = tuple(map(_match, ns.window_sums(noise, sq, w_noise), noise))
+        sums = ns.window_sums(noise, sq, w_noise)
+        noise = tuple(map(_sharding.match_varying, sums, noise))
     loss_scale = _loss_scale_step(carry.loss_scale, out, ctx)
     return Carry(value, grads, noise, loss_scale, out.state)
 

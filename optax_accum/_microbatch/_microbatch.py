@@ -12,7 +12,7 @@ and packs the result; the loop is `_loop`'s, the device-local mode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,38 +22,19 @@ from .. import _noise_scale as ns
 from .. import _sharding
 from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
-from .._typing import AccumulatorDType, AxisName, Reduction
 from ._call import batch_size
-from ._local import device_local, to_varying
+from ._keywords import takes_keywords
+from ._local import device_local
 from ._loop import Loop, scan
-from ._options import (
-    Context,
-    Options,
-    WeightFn,
-    check_callable,
-    check_no_nnx_modules,
-    options,
-)
+from ._options import Context, Options, check_callable, check_no_nnx_modules, options
 
 _RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 
 
 @renamed_arguments(_RENAMED)
+@takes_keywords
 def microbatch(
-    fun: Callable[..., Any],
-    num_microbatches: int,
-    *,
-    batch_argnums: int | Sequence[int] = 1,
-    has_aux: bool = False,
-    reduction: Reduction = "mean",
-    weight_fn: WeightFn | None = None,
-    accumulator_dtype: AccumulatorDType = "promote",
-    axis_name: AxisName | None = None,
-    rng_argnums: int | Sequence[int] = (),
-    data_axes: AxisName | None = None,
-    param_gather: str | None = None,
-    noise_scale_decay: float | None = None,
-    aux_rows: Any = None,
+    fun: Callable[..., Any], num_microbatches: int, **kwargs: Any
 ) -> Callable[..., Any]:
     r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
 
@@ -134,7 +115,7 @@ def microbatch(
 
     **FSDP.** Parameters sharded over the batch's mesh axes (FSDP, HSDP) are
     gathered by ``fun`` per micro-batch, one layer at a time, as FSDP
-    promises (``param_gather="per_micro_batch"``, the default under an
+    promises (``param_gather="per_microbatch"``, the default under an
     Explicit mesh when a parameter is sharded so): the loop's inputs pass an
     optimization barrier, so XLA cannot hoist the gathers out of the loop
     and keep every gathered weight resident. ``param_gather="once"`` lets it:
@@ -143,48 +124,7 @@ def microbatch(
     Args:
       fun: a value-and-grad function, e.g. ``jax.value_and_grad(loss)``.
       num_microbatches: ``k``, an int >= 1; it must divide the batch size.
-      batch_argnums: positional argument(s) of ``fun`` holding the batch.
-      has_aux: whether ``fun`` returns ``((value, aux), grads)``.
-      reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      weight_fn: optional `WeightFn`; weights are float32 scalars (float64
-        where the gradients are).
-      accumulator_dtype: ``"promote"`` (the default, as in `accumulate`: at
-        least float32, of each gradient's kind, so bf16 gradients accumulate
-        in float32 at twice the carry's memory), a floating (or complex)
-        dtype, or ``None`` for each gradient's dtype (values accumulate in at
-        least float32). Or a pytree prefix of the gradients with one of these
-        per subtree, as in `accumulate`. Results come back in ``fun``'s
-        dtypes.
-      axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or axes) to
-        reduce over once, after the loop.
-      rng_argnums: positional argument(s) of ``fun`` holding PRNG keys.
-      data_axes: ``None`` (the global view), or the mesh axes to run the
-        device-local loop over (see above).
-      param_gather: ``"per_micro_batch"``, ``"once"`` or ``None`` (the
-        former where parameters are sharded over the batch's Explicit mesh
-        axes, else the latter). See FSDP above.
-      aux_rows: with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold
-        the micro-batch's rows on axis 0 and are gathered over devices
-        (``True``), and which are statistics to average (``False``); a bool
-        for all leaves, or a pytree prefix of ``aux`` with bool leaves. Left
-        ``None``, a leaf that could be either (its leading size is the rows
-        per device) raises a ValueError naming it; the others are averaged.
-      noise_scale_decay: ``None``, or the EMA decay in (0, 1) of the gradient
-        noise scale, measured from the k micro-batch gradients and their mean
-        (see `accumulate` and `noise_scale`). The result then takes a keyword
-        ``noise_scale`` (a `NoiseScaleState`, or ``None`` to start) and
-        returns ``(result, noise_scale_state)``: the state is the tracker
-        that carries the EMA across steps, and its ``last_grad_sq``,
-        ``last_trace``, ``b_small`` and ``b_big`` are this step's statistics.
-        Batch sizes count rows (examples), or the ``weight_fn`` weights.
-        Needs ``reduction="mean"`` and ``num_microbatches`` >= 2 (or several
-        devices with ``axis_name``); ``num_microbatches=1`` otherwise is
-        refused. Steps whose `ScaledGrads` are not ``finite`` (an
-        fp16 overflow, skipped by the caller) are not observed. In the
-        global view each micro-batch's squared norm reads its reduced
-        gradient, so on an accelerator that reduction stays in the loop;
-        the device-local mode measures per device and adds nothing to its
-        one reduction.
+      {keywords}
 
     Returns:
       A function with ``fun``'s signature.
@@ -209,20 +149,7 @@ def microbatch(
       17.5 35.0
     """
     check_callable(fun)
-    opts = options(
-        num_microbatches,
-        batch_argnums=batch_argnums,
-        has_aux=has_aux,
-        reduction=reduction,
-        weight_fn=weight_fn,
-        accumulator_dtype=accumulator_dtype,
-        axis_name=axis_name,
-        rng_argnums=rng_argnums,
-        data_axes=data_axes,
-        param_gather=param_gather,
-        noise_scale_decay=noise_scale_decay,
-        aux_rows=aux_rows,
-    )
+    opts = options(num_microbatches, **kwargs)
     return _microbatched(fun, opts)
 
 
@@ -241,7 +168,10 @@ def microbatch_with_state(
     Keyword arguments are `microbatch`'s.
     """
     check_callable(fun)
-    return _microbatched(fun, options(num_microbatches, stateful=True, **kwargs))
+    opts = options(
+        num_microbatches, stateful=True, face="microbatch_with_state", **kwargs
+    )
+    return _microbatched(fun, opts)
 
 
 def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
@@ -278,10 +208,10 @@ def _run(fun, opts: Options, args: list, kwargs: dict, state: Any) -> Loop:
     if opts.axis_name is not None:
         # Invariant inputs would get their cotangents psum-ed inside `fun`.
         args = [
-            a if i in opts.batch_idx else to_varying(a, opts.axis_name)
+            a if i in opts.batch_idx else _sharding.to_varying(a, opts.axis_name)
             for i, a in enumerate(args)
         ]
-        kwargs, state = to_varying((kwargs, state), opts.axis_name)
+        kwargs, state = _sharding.to_varying((kwargs, state), opts.axis_name)
         return scan(fun, args, kwargs, state, opts, Context(opts.axis_name))
     if opts.data_axes is not None:
         return device_local(fun, args, kwargs, state, opts, size)

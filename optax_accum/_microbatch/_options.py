@@ -2,10 +2,10 @@
 # Copyright 2026 The optax_accum Authors.
 """`microbatch`'s options, checked once where they are given.
 
-`options` validates every keyword of `microbatch` (and of the Flax helpers,
-which pass theirs through) at construction and returns a frozen `Options`
-that the loop trusts. The checks of ``fun``'s output and arguments, which
-can only run at trace time, are here too.
+`options` validates every keyword of `microbatch` (declared once, in
+`_keywords.Keywords`; the Flax helpers pass theirs through) at construction
+and returns a frozen `Options` that the loop trusts. The checks of ``fun``'s
+output and arguments, which can only run at trace time, are here too.
 """
 
 from __future__ import annotations
@@ -14,31 +14,22 @@ import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 
 from .. import _checks, _dtypes, _reduction
 from .. import _noise_scale as ns
+from .._deprecations import warn
 from .._reduction import Mean, Sum
-from .._typing import AccumulatorDType, AxisName, Reduction
+from ._keywords import WeightFn, given
 
-PARAM_GATHER = ("per_micro_batch", "once", None)
-
-
-class WeightFn(Protocol):
-    """Weights one micro-batch: ``weight_fn(*microbatch_args) -> scalar``.
-
-    Called with the micro-batch slices of the ``batch_argnums`` arguments, in
-    that order. Return, for example, the number of valid tokens.
-    """
-
-    def __call__(self, *microbatch_args: Any) -> jax.typing.ArrayLike: ...
+PARAM_GATHER = ("per_microbatch", "once", None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """`microbatch`'s checked options (see its docstring for each)."""
+    """`microbatch`'s checked options (`Keywords` declares each as given)."""
 
     k: int
     batch_idx: tuple[int, ...]
@@ -58,10 +49,12 @@ class Options:
     argnums: int | tuple[int, ...] | None = None
     # Which ``aux`` leaves hold the micro-batch's rows (device-local mode).
     aux_rows: Any = None
+    # Whether the library differentiates ``fun`` (the loss face): fixed here,
+    # so the loop reads a field rather than coming back for a rule.
+    differentiates: bool = dataclasses.field(init=False)
 
-    @property
-    def differentiates(self) -> bool:
-        return self.argnums is not None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "differentiates", self.argnums is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,64 +70,55 @@ class Context:
 def options(
     num_microbatches: int,
     *,
-    batch_argnums: int | Sequence[int] = 1,
-    has_aux: bool = False,
-    reduction: Reduction = "mean",
-    weight_fn: WeightFn | None = None,
-    accumulator_dtype: AccumulatorDType = "promote",
-    axis_name: AxisName | None = None,
-    rng_argnums: int | Sequence[int] = (),
-    data_axes: AxisName | None = None,
-    param_gather: str | None = None,
-    noise_scale_decay: float | None = None,
-    aux_rows: Any = None,
     stateful: bool = False,
     argnums: int | Sequence[int] | None = None,
+    face: str = "microbatch",
+    **kwargs: Any,
 ) -> Options:
-    """`microbatch`'s keywords, checked in its names (``argnums``: the loss
-    face's, None for a value-and-grad ``fun``)."""
+    """The `Keywords` in ``kwargs``, checked in ``face``'s names; ``argnums``:
+    the loss face's, None for a value-and-grad ``fun``."""
     k = _checks.positive_int(num_microbatches, "num_microbatches")
-    strategy = _reduction.get(reduction)
-    batch_idx = _checks.argnums(batch_argnums, "batch_argnums")
-    rng_idx = _checks.argnums(rng_argnums, "rng_argnums")
+    kw = given(kwargs, face)
+    batch_idx = _checks.argnums(kw.batch_argnums, "batch_argnums")
+    rng_idx = _checks.argnums(kw.rng_argnums, "rng_argnums")
     if not batch_idx:
         raise ValueError("`batch_argnums` must name at least one argument.")
     if set(batch_idx) & set(rng_idx):
         raise ValueError(
-            f"`batch_argnums` ({batch_argnums!r}) and `rng_argnums` "
-            f"({rng_argnums!r}) must not overlap."
+            f"`batch_argnums` ({kw.batch_argnums!r}) and `rng_argnums` "
+            f"({kw.rng_argnums!r}) must not overlap."
         )
-    _checks.callable_or_none(weight_fn, "weight_fn")
-    _checks.one_of(param_gather, "param_gather", PARAM_GATHER)
-    axes = _data_axes(data_axes)
-    if axis_name is not None and axes is not None:
+    strategy = _reduction.get(kw.reduction)
+    _checks.callable_or_none(kw.weight_fn, "weight_fn")
+    axes = _data_axes(kw.data_axes)
+    if kw.axis_name is not None and axes is not None:
         raise ValueError(
             "Pass either `axis_name` (inside shard_map/pmap) or `data_axes`, "
-            f"not both: got axis_name={axis_name!r}, data_axes={data_axes!r}."
+            f"not both: got axis_name={kw.axis_name!r}, data_axes={kw.data_axes!r}."
         )
     decay = ns.check_options(
-        noise_scale_decay,
+        kw.noise_scale_decay,
         False,
-        reduction,
+        kw.reduction,
         "num_microbatches",
-        single=k == 1 and axis_name is None,
+        single=k == 1 and kw.axis_name is None,
     )
-    _check_aux_rows(aux_rows, has_aux, axes)
+    _check_aux_rows(kw.aux_rows, kw.has_aux, axes)
     return Options(
         k=k,
         batch_idx=batch_idx,
         rng_idx=rng_idx,
-        has_aux=bool(has_aux),
+        has_aux=bool(kw.has_aux),
         reduction=strategy,
-        weight_fn=weight_fn,
-        accumulator_dtype=_dtypes.canonical(accumulator_dtype),
-        axis_name=None if axis_name is None else _axes_tuple(axis_name),
+        weight_fn=kw.weight_fn,
+        accumulator_dtype=_dtypes.canonical(kw.accumulator_dtype),
+        axis_name=None if kw.axis_name is None else _axes_tuple(kw.axis_name),
         data_axes=axes,
-        param_gather=param_gather,
+        param_gather=_param_gather(kw.param_gather),
         decay=decay,
         stateful=stateful,
         argnums=_loss_argnums(argnums, batch_idx, rng_idx),
-        aux_rows=aux_rows,
+        aux_rows=kw.aux_rows,
     )
 
 
@@ -172,6 +156,14 @@ def _check_aux_rows(aux_rows: Any, has_aux: bool, data_axes: Any) -> None:
                 "`aux_rows` must be a bool or a pytree prefix of `aux` with bool "
                 f"leaves, got a leaf {flag!r}."
             )
+
+
+def _param_gather(value: Any) -> str | None:
+    if isinstance(value, str) and value == "per_micro_batch":
+        warn('`param_gather="per_micro_batch"`', '`param_gather="per_microbatch"`', 6)
+        return "per_microbatch"
+    _checks.one_of(value, "param_gather", PARAM_GATHER)
+    return value
 
 
 def _axes_tuple(axis_name: Any) -> tuple:

@@ -10,7 +10,7 @@ loop's output taken apart. The public steps are `optax_accum.flax`'s.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +21,7 @@ from .._deprecations import rename
 from .._extra_args import reads_value
 from .._loss_scale import ScaledGrads, scaled_value_and_grad
 from .._microbatch import (
+    Keywords,
     Options,
     microbatch_with_state,
     options,
@@ -31,8 +32,8 @@ _RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
 # `microbatch`'s keywords that a step passes through.
 _ACCEPTED = tuple(
     name
-    for name in inspect.signature(options).parameters
-    if name not in ("num_microbatches", "stateful", *_RESERVED)
+    for name in (*(f.name for f in dataclasses.fields(Keywords)), "argnums")
+    if name not in _RESERVED
 )
 
 

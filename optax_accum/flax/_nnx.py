@@ -19,6 +19,8 @@ import jax
 from flax import nnx
 from jax import lax
 
+from .. import _sharding
+
 
 class Parts(NamedTuple):
     """An nnx model taken apart by `split`."""
@@ -67,17 +69,10 @@ def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _on_devices(data_axes: Any) -> bool:
-    """Whether this trace runs per device of ``data_axes`` (the device-local
-    loop; at k = 1 there is none)."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return data_axes is not None and all(a in manual for a in data_axes)
-
-
 def _per_device(state: Any, data_axes: Any) -> Any:
     """``state`` with each PRNG key folded with the device index on the
     devices of ``data_axes``, so that devices draw their own masks."""
-    if not _on_devices(data_axes):
+    if not _sharding.is_manual(data_axes):  # not in a device-local loop
         return state
     device = lax.axis_index(data_axes)
     return jax.tree.map(

@@ -66,7 +66,7 @@ def _place(tree: Any, spec: P) -> Any:
 
     def place(x):
         have = _sharding.explicit_spec(x) or P()
-        if _sharding._canonical(have, x.ndim) == _sharding._canonical(spec, x.ndim):
+        if _sharding.same_spec(have, spec, x.ndim):
             return x
         return jax.sharding.reshard(x, spec)
 
