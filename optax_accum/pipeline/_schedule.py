@@ -32,7 +32,9 @@ class Op(enum.IntEnum):
 
 
 IDLE, FORWARD, BACKWARD = Op.IDLE, Op.FORWARD, Op.BACKWARD
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+# The schedules that run several stages per device and need M a multiple of S.
+_REPEATED = ("circular", "interleaved_1f1b")
 
 
 class ScheduleTable(NamedTuple):
@@ -68,14 +70,15 @@ def check_schedule(schedule: str, num_stages: int, num_microbatches: int, repeat
     ):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
-    if repeats > 1 and schedule != "circular":
+    if repeats > 1 and schedule not in _REPEATED:
         raise ValueError(
-            f"`repeats`={repeats} needs `schedule='circular'`, got {schedule!r}."
+            f"`repeats`={repeats} needs `schedule` 'circular' or "
+            f"'interleaved_1f1b', got {schedule!r}."
         )
-    if schedule == "circular" and num_microbatches % num_stages:
+    if schedule in _REPEATED and num_microbatches % num_stages:
         raise ValueError(
             f"`num_microbatches`={num_microbatches} must be a multiple of the "
-            f"number of stages {num_stages} for the circular schedule (each "
+            f"number of stages {num_stages} for the {schedule} schedule (each "
             "group of S micro-batches comes back to device 0 just in time)."
         )
 
@@ -141,16 +144,88 @@ def _one_f_one_b(stages: int, microbatches: int) -> ScheduleTable:
     return table
 
 
+# Interleaved 1F1B (Narayanan et al. 2021; Megatron-LM, torch's
+# ScheduleInterleaved1F1B), one op per device per tick.
+
+
+def interleaved_orders(stages: int, microbatches: int, repeats: int):
+    """Each device's forward and backward order of ``(micro-batch, repeat)``.
+
+    Groups of S micro-batches: a group's forwards run repeat 0, 1, ... (each
+    over the S micro-batches of the group), its backwards the repeats in
+    reverse. The same on every device.
+    """
+    groups = range(microbatches // stages)
+    lanes = range(stages)
+    fwd = [(g * stages + i, r) for g in groups for r in range(repeats) for i in lanes]
+    bwd = [
+        (g * stages + i, r)
+        for g in groups
+        for r in reversed(range(repeats))
+        for i in lanes
+    ]
+    return fwd, bwd
+
+
+def interleaved_limit(stages: int, repeats: int, s: int) -> int:
+    """Device ``s``'s most (micro-batch, stage) pairs between F and B:
+    Megatron's warm-up, ``2 (S - s - 1) + (r - 1) S`` forwards, plus one."""
+    return 2 * (stages - s - 1) + (repeats - 1) * stages + 1
+
+
+def _interleaved(stages: int, microbatches: int, repeats: int) -> ScheduleTable:
+    """Interleaved 1F1B by simulation: a forward whenever one is ready and
+    fewer than `interleaved_limit` are in flight, else a backward if one is.
+
+    Forward first (unlike `_one_f_one_b`) keeps the lock-step pipeline full:
+    its slot bubble is circular's, ``(S-1)/(r·M+S-1)``, its memory flat in M.
+    """
+    last, work = stages * repeats - 1, microbatches * repeats
+    fwd, bwd = interleaved_orders(stages, microbatches, repeats)
+    f_done = np.full((last + 1, microbatches), -1)  # tick of each op
+    b_done = np.full((last + 1, microbatches), -1)
+    nf, nb = [0] * stages, [0] * stages
+    rows = []
+    while min(nb) < work:
+        t, row = len(rows), [None] * stages
+        for s in range(stages):
+            if nf[s] < work and nf[s] - nb[s] < interleaved_limit(stages, repeats, s):
+                m, r = fwd[nf[s]]
+                j = r * stages + s
+                if j == 0 or 0 <= f_done[j - 1, m] < t:
+                    row[s], f_done[j, m] = (FORWARD, m, r), t
+                    nf[s] += 1
+                    continue
+            if nb[s] < nf[s]:
+                m, r = bwd[nb[s]]
+                j = r * stages + s
+                after = f_done[j, m] if j == last else b_done[j + 1, m]
+                if 0 <= after < t:
+                    row[s], b_done[j, m] = (BACKWARD, m, r), t
+                    nb[s] += 1
+        rows.append(row)
+        if len(rows) > 4 * (work + stages):  # pragma: no cover - a schedule bug
+            raise AssertionError("the interleaved 1F1B simulation did not finish.")
+    table = _empty(len(rows), stages)
+    for t, row in enumerate(rows):
+        for s, cell in enumerate(row):
+            if cell is not None:
+                table.op[t, s], table.microbatch[t, s], table.repeat[t, s] = cell
+    return table
+
+
 def schedule_table(
     schedule: str, num_stages: int, num_microbatches: int, repeats: int = 1
 ) -> ScheduleTable:
     """The static table of a pipeline schedule (ticks × devices).
 
     Args:
-      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"`` or
+        ``"interleaved_1f1b"``.
       num_stages: S, the size of the stage axis (devices).
-      num_microbatches: M.
-      repeats: stages per device (``"circular"`` only).
+      num_microbatches: M (a multiple of S for ``"circular"`` and
+        ``"interleaved_1f1b"``).
+      repeats: stages per device (``"circular"`` and ``"interleaved_1f1b"``).
 
     Returns:
       A `ScheduleTable`: ``op``, ``microbatch`` and ``repeat`` arrays.
@@ -161,6 +236,8 @@ def schedule_table(
       [[1, 0], [1, 1], [0, 1]]
     """
     check_schedule(schedule, num_stages, num_microbatches, repeats)
+    if schedule == "interleaved_1f1b":
+        return _interleaved(num_stages, num_microbatches, repeats)
     if schedule == "1f1b":
         return _one_f_one_b(num_stages, num_microbatches)
     return _forward_and_mirror(num_stages, num_microbatches, repeats)
@@ -171,7 +248,8 @@ def bubble_fraction(
 ) -> float:
     """The fraction of (tick, device) slots that are idle in the table.
 
-    GPipe: ``(S-1)/(M+S-1)``; circular: ``(S-1)/(r·M+S-1)``; 1F1B: GPipe's.
+    GPipe: ``(S-1)/(M+S-1)``; circular and interleaved 1F1B:
+    ``(S-1)/(r·M+S-1)``; 1F1B: GPipe's.
 
     Examples:
       >>> from optax_accum.pipeline import bubble_fraction
