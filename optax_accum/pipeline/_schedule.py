@@ -72,8 +72,8 @@ def check_schedule(schedule: str, num_stages: int, num_microbatches: int, repeat
             raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
     if repeats > 1 and schedule not in _REPEATED:
         raise ValueError(
-            f"`repeats`={repeats} needs `schedule` 'circular' or "
-            f"'interleaved_1f1b', got {schedule!r}."
+            f"`repeats`={repeats} needs `schedule='circular'` or "
+            f"`schedule='interleaved_1f1b'`, got {schedule!r}."
         )
     if schedule in _REPEATED and num_microbatches % num_stages:
         raise ValueError(
