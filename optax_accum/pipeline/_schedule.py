@@ -13,6 +13,8 @@ order in which the transposed scan (``jax.grad`` of the forward loop) runs
 them. 1F1B is built by simulation, one op per device per tick: a backward
 whenever one is ready, else a forward while fewer than ``S - s`` micro-batches
 are in flight on device ``s`` (so at most S stage inputs are ever held).
+Interleaved 1F1B too, over ``S · repeats`` stages, with forwards on even
+ticks and backwards on odd ones (`_interleaved` below).
 """
 
 from __future__ import annotations
