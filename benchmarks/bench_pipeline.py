@@ -13,8 +13,8 @@ on a ``(data, stage=4)`` mesh of CPU devices.
 - **Collectives**: per loop body and outside the loops, read from the
   compiled HLO on a (data 2, stage 4) mesh.
 - **Memory**: the compiled temp bytes for M = 8 ... 64 and their slope per
-  micro-batch, next to the bytes of one stage input (1F1B: about 0;
-  GPipe, rematerialised per tick: about one stage input).
+  micro-batch, next to the bytes of one stage input (1F1B and interleaved
+  1F1B: about 0; GPipe, rematerialised per tick: about one stage input).
 - **Program size and compile time** for M = 4 and M = 64 (the fastest of
   ``rounds`` fresh compiles).
 - **Time per token** of one pipelined value-and-grad against the
