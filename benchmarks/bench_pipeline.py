@@ -7,12 +7,14 @@ embedding, residual tanh stages, a linear head with a masked squared error)
 on a ``(data, stage=4)`` mesh of CPU devices.
 
 - **Bubbles**: the idle fraction of each schedule's table, against the
-  formulas ``(S-1)/(M+S-1)`` (GPipe) and ``(S-1)/(r·M+S-1)`` (circular).
+  formulas ``(S-1)/(M+S-1)`` (GPipe) and ``(S-1)/(r·M+S-1)`` (circular,
+  interleaved 1F1B); and the lock-step time bubble with equal costs (a tick
+  lasts as long as its busiest device's op: a forward 1, a backward 2).
 - **Collectives**: per loop body and outside the loops, read from the
   compiled HLO on a (data 2, stage 4) mesh.
 - **Memory**: the compiled temp bytes for M = 8 ... 64 and their slope per
-  micro-batch, next to the bytes of one stage input (1F1B: about 0;
-  GPipe, rematerialised per tick: about one stage input).
+  micro-batch, next to the bytes of one stage input (1F1B and interleaved
+  1F1B: about 0; GPipe, rematerialised per tick: about one stage input).
 - **Program size and compile time** for M = 4 and M = 64 (the fastest of
   ``rounds`` fresh compiles).
 - **Time per token** of one pipelined value-and-grad against the
@@ -36,8 +38,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import harness
 
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))
 STAGES = 4
+
+
+def time_bubble(table) -> float:
+    """The lock-step idle share of device-time with equal costs: each tick
+    lasts its busiest device's op, a forward 1, an unsplit backward 2."""
+    import numpy as np
+
+    cost = np.choose(table.op, (0, 1, 2))
+    return float(1.0 - cost.sum() / (table.op.shape[1] * cost.max(axis=1).sum()))
 
 
 def bubbles() -> list[dict]:
@@ -47,10 +58,10 @@ def bubbles() -> list[dict]:
     for s in (2, 4, 8):
         for m in (s, 2 * s, 8 * s):
             row = {"S": s, "M": m, "gpipe_formula": (s - 1) / (m + s - 1)}
-            for name, r in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
-                row[f"{name}" + (f"_r{r}" if r > 1 else "")] = pl.bubble_fraction(
-                    name, s, m, r
-                )
+            for name, r in SCHEDULES:
+                key = f"{name}" + (f"_r{r}" if r > 1 else "")
+                row[key] = pl.bubble_fraction(name, s, m, r)
+                row[key + "_time"] = time_bubble(pl.schedule_table(name, s, m, r))
             row["circular_r2_formula"] = (s - 1) / (2 * m + s - 1)
             rows.append(row)
     return rows
@@ -192,16 +203,21 @@ def measure(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 def markdown(data: dict[str, Any]) -> str:
     """The measurements as Markdown tables."""
     lines = [
-        "## Bubble fraction (idle slots of the table)",
+        "## Bubble fraction: idle slots of the table / lock-step time, costs 1:2",
         "",
-        "| S | M | GPipe | formula | circular r=2 | formula | 1F1B |",
-        "|---|---|---|---|---|---|---|",
+        "| S | M | GPipe | formula | circular r=2 | formula | 1F1B "
+        "| interleaved 1F1B r=2 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for b in data["bubbles"]:
+        both = {
+            k: f"{b[k]:.3f} / {b[k + '_time']:.3f}"
+            for k in ("gpipe", "circular_r2", "1f1b", "interleaved_1f1b_r2")
+        }
         lines.append(
-            f"| {b['S']} | {b['M']} | {b['gpipe']:.3f} | {b['gpipe_formula']:.3f} "
-            f"| {b['circular_r2']:.3f} | {b['circular_r2_formula']:.3f} "
-            f"| {b['1f1b']:.3f} |"
+            f"| {b['S']} | {b['M']} | {both['gpipe']} | {b['gpipe_formula']:.3f} "
+            f"| {both['circular_r2']} | {b['circular_r2_formula']:.3f} "
+            f"| {both['1f1b']} | {both['interleaved_1f1b_r2']} |"
         )
     lines += [
         "",

@@ -49,10 +49,12 @@ def value_and_grad(
         ``has_aux``, ``(loss, aux)``.
       num_microbatches: M. Micro-batch ``m`` is rows ``m, m+M, ...`` of the
         batch, as in `optax_accum.microbatch`.
-      schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S) or
-        ``"1f1b"`` (activations O(S), flat in M).
-      repeats: stages per device, for ``"circular"``: device ``s`` runs
-        stages ``s, s + S, ...``.
+      schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S),
+        ``"1f1b"`` (activations O(S), flat in M) or ``"interleaved_1f1b"``
+        (needs M a multiple of S; activations O(S · repeats), flat in M,
+        with circular's slot bubble).
+      repeats: stages per device, for ``"circular"`` and
+        ``"interleaved_1f1b"``: device ``s`` runs stages ``s, s + S, ...``.
       stage_axis: the mesh axis of the stages.
       weight_fn: ``weight_fn(microbatch) -> scalar``, e.g. the number of
         valid tokens: the loss is then ``Σ w_m loss_m / Σ w_m``.
@@ -69,7 +71,8 @@ def value_and_grad(
 
     Raises:
       ValueError: an unknown ``schedule``, ``repeats > 1`` with another
-        schedule, M not a multiple of S for ``"circular"``; at the call, a
+        schedule, M not a multiple of S for ``"circular"`` or
+        ``"interleaved_1f1b"``; at the call, a
         mesh without ``stage_axis``, ``stage_params`` not stacked by
         ``S · repeats``, a batch size not divisible by M, or a ``stage_fn``
         that changes ``h``'s shape or dtype.

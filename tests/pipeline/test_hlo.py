@@ -22,12 +22,14 @@ from tests.helpers import hlo
 from tests.pipeline import models as md
 
 STAGES = 4
+# The schedules that run two stages per device here (repeats 2).
+REPEATED = ("circular", "interleaved_1f1b")
 
 
 def lowered(schedule, m, data=1, rows=2, width=8):
     """``(lowered, mesh)``: the pipeline on a (data, stage 4) mesh, ``rows``
     rows per micro-batch and device."""
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in REPEATED else 1
     devices = jax.devices()[: STAGES * data]
     mesh = jax.make_mesh((data, STAGES), ("data", "stage"), devices=devices)
     params, batch = md.make(STAGES * repeats, rows=rows * m * data, width=width)
@@ -70,10 +72,10 @@ def check_collectives(schedule):
         for op, g, _ in everything
         if op == "all-gather" and hlo.crosses(g, mesh, "stage")
     ]
-    # Circular: stage j = r·S + s lives on device s, so putting the gradients
-    # back in the order of the stacked parameters moves them, once, after
-    # the loop (the loops themselves hold only collective-permutes).
-    assert len(gathers) == (2 if schedule == "circular" else 0), gathers
+    # Circular, interleaved: stage j = r·S + s lives on device s, so putting
+    # the gradients back in the order of the stacked parameters moves them,
+    # once, after the loop (the loops themselves hold only collective-permutes).
+    assert len(gathers) == (2 if schedule in REPEATED else 0), gathers
     data_reduces = [
         g
         for op, g, _ in everything

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from optax_accum import pipeline as pl
+from optax_accum.pipeline import _interleaved
 
 SIZES = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16, 64)]
 CASES = [
@@ -99,3 +100,75 @@ def test_1f1b_steady_state_alternates():
     assert op[:4, 0].tolist() == [1, 1, 1, 1]
     steady = op[op[:, 0] != pl.Op.IDLE, 0][4:12].tolist()
     assert steady == [2, 1] * 4
+
+
+# Interleaved 1F1B (its runner: tests/pipeline/test_interleaved.py).
+INTERLEAVED = [(s, m, r) for s, m in SIZES for r in (1, 2, 3) if m % s == 0]
+
+
+@pytest.mark.parametrize("stages,m,repeats", INTERLEAVED)
+def test_interleaved_each_op_once_in_order(stages, m, repeats):
+    test_each_op_once_in_order("interleaved_1f1b", stages, m, repeats)
+
+
+@pytest.mark.parametrize("stages,m,repeats", INTERLEAVED)
+def test_interleaved_time_bubble_is_circulars(stages, m, repeats):
+    """Forward ticks and backward ticks alternate on every device at once,
+    so with any costs the lock-step time bubble is circular's formula."""
+    table = pl.schedule_table("interleaved_1f1b", stages, m, repeats)
+    want = (stages - 1) / (repeats * m + stages - 1)
+    for costs in ((1, 2), (1, 1), (1, 3)):
+        assert time_bubble(table, costs) == pytest.approx(want)
+    assert not (table.op[1::2] == pl.Op.FORWARD).any()
+    assert not (table.op[::2] == pl.Op.BACKWARD).any()
+
+
+@pytest.mark.parametrize("stages,m,repeats", INTERLEAVED)
+def test_interleaved_in_flight_bounded(stages, m, repeats):
+    """Device s holds at most Megatron's warm-up + 1 (micro-batch, stage)
+    pairs between forward and backward, whatever M."""
+    table = pl.schedule_table("interleaved_1f1b", stages, m, repeats)
+    for s in range(stages):
+        flight = np.cumsum(table.op[:, s] == pl.Op.FORWARD) - np.cumsum(
+            table.op[:, s] == pl.Op.BACKWARD
+        )
+        assert flight.max() <= 2 * (stages - s - 1) + (repeats - 1) * stages + 1
+
+
+@pytest.mark.parametrize("stages,repeats", [(2, 2), (4, 2), (4, 3), (8, 2)])
+def test_interleaved_buffers_flat_in_m(stages, repeats):
+    """The runner's planned buffer slots are O(S·r): the same for M = 8S as
+    for M = 2S, and each holds a value until its backward reads it."""
+    sizes = [
+        _interleaved.plan(pl.schedule_table("interleaved_1f1b", stages, k, repeats))[1:]
+        for k in (2 * stages, 8 * stages)
+    ]
+    assert sizes[0] == sizes[1]
+    assert max(sizes[0]) <= 2 * stages * repeats
+
+
+def time_bubble(table, costs=(1, 2)):
+    """The lock-step idle share of device-time: a tick lasts as long as its
+    busiest device's op (a forward costs ``costs[0]``, an unsplit backward
+    ``costs[1]``, B + W)."""
+    cost = np.choose(table.op, (0, *costs))
+    return 1.0 - cost.sum() / (table.op.shape[1] * cost.max(axis=1).sum())
+
+
+def test_interleaved_time_bubble_below_1f1b():
+    """S = 4, M = 16, f = b = w = 1: 1F1B's is 1 - 48/72, GPipe's 3/19,
+    interleaved 1F1B's circular's 3/(16 r + 3)."""
+    one = time_bubble(pl.schedule_table("1f1b", 4, 16))
+    assert one == pytest.approx(1 - 48 / 72)
+    gpipe = time_bubble(pl.schedule_table("gpipe", 4, 16))
+    assert gpipe == pytest.approx(3 / 19)
+    for r in (2, 3):
+        table = pl.schedule_table("interleaved_1f1b", 4, 16, r)
+        assert time_bubble(table) == pytest.approx(3 / (16 * r + 3))
+
+
+def test_interleaved_needs_m_multiple_of_s():
+    with pytest.raises(ValueError, match=r"`num_microbatches`=6 must be a multiple"):
+        pl.schedule_table("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match=r"`repeats` must be a positive int"):
+        pl.schedule_table("interleaved_1f1b", 4, 8, 0)
