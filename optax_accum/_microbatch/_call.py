@@ -201,12 +201,7 @@ def weights(batch_views: dict, opts: Options, dtype: Any) -> jax.Array:
     infinite or negative weight weighs 0 (`_weights`' contract)."""
 
     def weight_of(*columns):
-        w = opts.weight_fn(*columns)
-        if jnp.ndim(w) != 0:
-            raise ValueError(
-                f"`weight_fn` must return a scalar, got shape {jnp.shape(w)}."
-            )
-        return jnp.asarray(w, dtype)
+        return _weights.from_fn(opts.weight_fn(*columns), dtype)
 
     columns = [batch_views[i] for i in opts.batch_idx]
     return _weights.admitted(jax.vmap(weight_of, in_axes=1)(*columns))
