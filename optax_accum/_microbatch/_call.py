@@ -187,6 +187,15 @@ def _check_differentiable(args: list, idx: tuple) -> None:
                 "arguments."
             )
         for path, x in jax.tree_util.tree_leaves_with_path(args[j]):
+            if not hasattr(x, "dtype") and not isinstance(x, int | float | complex):
+                raise TypeError(
+                    f"argument {j}{jax.tree_util.keystr(path)} is a "
+                    f"{type(x).__name__}, not an array: the loss face "
+                    "differentiates w.r.t. `argnums`, whose leaves must be "
+                    "arrays, as jax.grad requires. For an Equinox model, pass "
+                    "`eqx.partition(model, eqx.is_array)`'s arrays, or use "
+                    "`microbatch(eqx.filter_value_and_grad(loss), ...)`."
+                )
             if not _dtypes.is_differentiable(jnp.result_type(x)):
                 raise TypeError(
                     f"argument {j}{jax.tree_util.keystr(path)} has dtype "

@@ -172,6 +172,16 @@ def test_loss_face_on_partitioned_model(has_aux):
     _close(grads, want_grads)
 
 
+def test_loss_face_on_a_whole_model_says_how_to_partition_it():
+    # jax.grad cannot differentiate a model holding functions; say what to do.
+    model, (x, y, _) = Net(jax.random.key(0)), _data()
+    fn = optax_accum.microbatch_value_and_grad(loss, K, batch_argnums=(1, 2))
+    with pytest.raises(
+        TypeError, match=r"argument 0\.mlp\.activation .*eqx\.partition"
+    ):
+        fn(model, x, y)
+
+
 def _mini_grads(model, x, y):
     return [eqx.filter_grad(loss)(model, x[i::K], y[i::K]) for i in range(K)]
 
