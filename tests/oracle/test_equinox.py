@@ -182,8 +182,11 @@ def test_loss_face_on_a_whole_model_says_how_to_partition_it():
         fn(model, x, y)
 
 
+_grad = eqx.filter_jit(eqx.filter_grad(loss))
+
+
 def _mini_grads(model, x, y):
-    return [eqx.filter_grad(loss)(model, x[i::K], y[i::K]) for i in range(K)]
+    return [_grad(model, x[i::K], y[i::K]) for i in range(K)]
 
 
 def test_accumulate_equals_plain_optimizer():
@@ -209,11 +212,12 @@ def test_multisteps_equals_optax_multisteps():
     ours, theirs = optax_accum.MultiSteps(tx, K), optax.MultiSteps(tx, K)
     params = eqx.filter(model, eqx.is_array)
     state, ref_state, got, want = ours.init(params), theirs.init(params), params, params
+    ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
     for _ in range(2):
         for grads in _mini_grads(eqx.combine(got, model), x, y):
-            updates, state = ours.update(grads, state, got)
+            updates, state = ours_update(grads, state, got)
             got = eqx.apply_updates(got, updates)
         for grads in _mini_grads(eqx.combine(want, model), x, y):
-            updates, ref_state = theirs.update(grads, ref_state, want)
+            updates, ref_state = theirs_update(grads, ref_state, want)
             want = eqx.apply_updates(want, updates)
     _close(got, want)
