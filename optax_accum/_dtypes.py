@@ -182,10 +182,18 @@ def without_float0(tree: Any) -> Any:
     return jax.tree.map(lambda x: None if is_float0(x) else x, tree)
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
 def with_float0(tree: Any, like: Any) -> Any:
-    """`without_float0` undone: ``like``'s float0 leaves back as float0 zeros."""
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-    like_leaves, treedef = jax.tree.flatten(like)
+    """`without_float0` undone: ``like``'s float0 leaves back as float0 zeros.
+
+    None leaves (Equinox's gradients of non-arrays) are kept on both sides, so
+    the two leaf lists line up.
+    """
+    leaves = jax.tree.leaves(tree, is_leaf=_is_none)
+    like_leaves, treedef = jax.tree.flatten(like, is_leaf=_is_none)
     return jax.tree.unflatten(
         treedef,
         [

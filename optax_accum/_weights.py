@@ -79,6 +79,33 @@ def check(weight: Any, dtype: Any) -> jax.Array:
     return jnp.asarray(weight, dtype)
 
 
+def from_fn(w: Any, dtype: Any, name: str = "weight_fn") -> jax.Array:
+    """What a ``weight_fn`` returned, as a ``dtype`` scalar.
+
+    Raises:
+      TypeError: if ``w`` is not a real number (a string; a complex number,
+        whose imaginary part a cast would drop), naming ``name`` and ``w``.
+      ValueError: if ``w`` is not a scalar.
+    """
+    try:
+        real = w is not None and not isinstance(w, str | bytes)
+        real = real and not jnp.issubdtype(jnp.result_type(w), jnp.complexfloating)
+    except (TypeError, ValueError):
+        real = False
+    if not real:
+        got = (
+            f"a {w.dtype} array"
+            if isinstance(w, jax.Array)
+            else f"{w!r:.60} of type {type(w).__name__}"
+        )
+        raise TypeError(
+            f"`{name}` must return a real scalar (the micro-batch's weight), got {got}."
+        )
+    if jnp.ndim(w) != 0:
+        raise ValueError(f"`{name}` must return a scalar, got shape {jnp.shape(w)}.")
+    return jnp.asarray(w, dtype)
+
+
 def _check_range(value: float, weight: Any, dtype: Any) -> None:
     """A known weight > 0 must be a normal number of ``dtype``."""
     info = jnp.finfo(dtype)

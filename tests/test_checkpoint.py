@@ -386,3 +386,57 @@ def test_optax_checkpoint_restores_into_multisteps(tmp_path, use_grad_mean, skip
         got[1].inner_opt_state, ref[1].inner_opt_state, rtol=1e-6
     )
     chex.assert_trees_all_close(got[1].acc_grads, ref[1].acc_grads, rtol=1e-6)
+
+
+def _value_as_update():
+    """An inner optimizer that reads ``value``: its update is ``value``."""
+
+    def update(updates, state, params=None, *, value, **extra_args):
+        del params, extra_args
+        return jax.tree.map(lambda u: jnp.zeros_like(u) + value, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+    ("use_grad_mean", "stop"),
+    [(True, 2), (True, K), pytest.param(False, 1, marks=pytest.mark.slow)],
+    ids=["mean-mid_window", "mean-whole_window", "sum-mid_window"],
+)
+def test_optax_checkpoint_restores_the_value_of_the_window(
+    tmp_path, use_grad_mean, stop
+):
+    # Issue 27: the inner optimizer reads `value`, so our state has one leaf
+    # more than optax's, `acc_value`; the documented restore says so, and the
+    # restore with `acc_value=()` continues with the window's value: its mean
+    # over a whole window, over the values seen since the restore mid-window
+    # (optax's state never held those before it). It once got the last
+    # mini-step's value, silently.
+    opts = dict(use_grad_mean=use_grad_mean)
+    theirs = optax.MultiSteps(_value_as_update(), K, **opts)
+    ours = optax_accum.MultiSteps(_value_as_update(), K, **opts)
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    values = [jnp.float32(2.0**i) for i in range(12)]
+    state = theirs.init(params)
+    for v in values[:stop]:
+        _, state = theirs.update(params, state, params, value=v)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", state)
+    abstract = jax.eval_shape(ours.init, params)
+    with (
+        ocp.StandardCheckpointer() as ckptr,
+        pytest.raises(ValueError, match="acc_value"),
+    ):
+        ckptr.restore(tmp_path / "ckpt", abstract)
+    with ocp.StandardCheckpointer() as ckptr:
+        state = ckptr.restore(tmp_path / "ckpt", abstract._replace(acc_value=()))
+    update = jax.jit(lambda s, v: ours.update(params, s, params, value=v))
+    seen = K - stop % K  # the restored window's values seen after the restore
+    emitted = []
+    for v in values[stop : stop + seen + K]:
+        u, state = update(state, v)
+        if bool(ours.has_updated(state)):
+            emitted.append(float(u["b"][0]))
+    reduce = np.mean if use_grad_mean else np.sum
+    rest = np.asarray(values[stop:], np.float64)
+    assert emitted == [reduce(rest[:seen]), reduce(rest[seen : seen + K])]

@@ -179,3 +179,77 @@ def test_skip_fn_with_data_axes_is_refused_naming_both(skip_fn):
 def test_an_uncalled_optimizer_factory_is_refused_by_name(make):
     with pytest.raises(TypeError, match=r"is the function `adam`.*call it"):
         make()
+
+
+# Issue 27: the edges a newcomer hit, each named in the error.
+
+
+def _faces(weight_fn):
+    """Each face that takes a ``weight_fn``, run once on a tiny problem."""
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    def loss(p, x):
+        return jnp.mean((x @ p) ** 2)
+
+    p, x = jnp.ones(3), jnp.ones((4, 3))
+    vg = jax.value_and_grad(loss)
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx_train_step(lambda m, x: jnp.mean(m(x) ** 2), 2, weight_fn=weight_fn)
+    return {
+        "microbatch": lambda: optax_accum.microbatch(vg, 2, weight_fn=weight_fn)(p, x),
+        "jit(microbatch)": lambda: jax.jit(
+            optax_accum.microbatch(vg, 2, weight_fn=weight_fn)
+        )(p, x),
+        "microbatch_value_and_grad": lambda: optax_accum.microbatch_value_and_grad(
+            loss, 2, weight_fn=weight_fn
+        )(p, x),
+        "nnx_train_step": lambda: step(model, optimizer, x),
+    }
+
+
+@pytest.mark.parametrize(
+    ("weight", "shown"),
+    [
+        ("many", "'many' of type str"),
+        (1 + 2j, r"\(1\+2j\) of type complex"),  # a cast would drop 2j
+        (jnp.complex64(3 + 1j), "a complex64 array"),
+        (None, "None of type NoneType"),
+    ],
+    ids=["str", "complex", "complex64", "None"],
+)
+def test_weight_fn_returning_a_non_real_names_weight_fn(weight, shown):
+    match = rf"`weight_fn` must return a real scalar .*got {shown}"
+    for run in _faces(lambda *batch: weight).values():
+        with pytest.raises(TypeError, match=match):
+            run()
+
+
+def test_accumulate_refuses_a_complex_weight_by_name():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    state = tx.init(PARAMS)
+    for weight in (1 + 1j, jnp.complex64(2 + 0j)):
+        with pytest.raises(TypeError, match="`weight` must be a real number"):
+            tx.update(GRADS, state, PARAMS, weight=weight)
+
+
+def test_nnx_train_step_with_swapped_arguments_says_so():
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx_train_step(lambda m, x: jnp.mean(m(x) ** 2), 2)
+    x = jnp.ones((4, 3))
+    with pytest.raises(
+        TypeError,
+        match=r"`model` = an nnx\.Optimizer and `optimizer` = Linear: the two "
+        "are swapped",
+    ):
+        step(optimizer, model, x)
+    with pytest.raises(TypeError, match=r"`optimizer` = Linear, not an nnx\.Optimizer"):
+        step(model, model, x)
+    assert jnp.isfinite(step(model, optimizer, x))

@@ -253,6 +253,22 @@ def test_integer_parameters_pass_through_as_float0(k):
     _close((value, grads["w"]), (ref_value, ref_grads["w"]))
 
 
+def test_none_gradient_leaves_beside_float0_come_back():
+    # Issue 27: Equinox's gradients hold None for non-arrays; putting the
+    # float0 leaves back once zipped two uneven leaf lists and raised.
+    def vg(p, x):
+        loss = lambda p: jnp.mean((x * p["w"]) ** 2) + 0.0 * p["n"]
+        value, grads = jax.value_and_grad(loss, allow_int=True)(p)
+        return value, {**grads, "fn": None}
+
+    p = {"w": jnp.float32(1.0), "n": jnp.int32(3)}
+    x = jnp.arange(8.0)
+    value, grads = jax.jit(optax_accum.microbatch(vg, 2))(p, x)
+    ref_value, ref_grads = vg(p, x)
+    assert grads["fn"] is None and grads["n"].dtype == jax.dtypes.float0
+    _close((value, grads["w"]), (ref_value, ref_grads["w"]))
+
+
 # --- Defect 12: the noise scale needs two micro-batches ----------------------
 
 

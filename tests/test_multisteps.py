@@ -297,3 +297,26 @@ def test_noise_scale_with_data_axes_is_refused():
     # check it and failed at trace time with a ShardingTypeError.
     with pytest.raises(ValueError, match=r"`noise_scale_decay`.*`data_axes`"):
         MultiSteps(optax.sgd(1.0), 2, data_axes="data", noise_scale_decay=0.9)
+
+
+def test_optax_state_mid_window_gives_the_mean_value_since_the_hand_over():
+    # Issue 27: optax's state holds no values, so the window's value is the
+    # mean of those seen since the hand-over (the first one, counted for the
+    # window's unseen values, once weighed 3/4 of it); later windows' whole.
+    def value_as_update(updates, state, params=None, *, value, **extra_args):
+        return jax.tree.map(lambda u: jnp.zeros_like(u) + value, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), value_as_update
+    )
+    theirs, ours = optax.MultiSteps(inner, 4), MultiSteps(inner, 4)
+    params = jnp.zeros(2)
+    state = theirs.init(params)
+    for value in (1.0, 2.0):
+        _, state = theirs.update(params, state, params, value=jnp.float32(value))
+    emitted = []
+    for value in (4.0, 8.0, 16.0, 32.0, 64.0, 128.0):
+        u, state = ours.update(params, state, params, value=jnp.float32(value))
+        if int(state.mini_step) == 0:
+            emitted.append(float(u[0]))
+    assert emitted == [(4 + 8) / 2, (16 + 32 + 64 + 128) / 4]

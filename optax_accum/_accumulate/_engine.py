@@ -35,7 +35,7 @@ from .. import _noise_scale as ns
 from .._checks import bool_scalar
 from .._devices import Devices
 from .._reduction import Mean, Sum
-from . import _skip
+from . import _skip, _value_since
 
 
 class Window(NamedTuple):
@@ -51,7 +51,9 @@ class Window(NamedTuple):
     accumulator: optax.Updates
     weight: jax.Array
     inner_state: optax.OptState
-    value: Any = ()  # the value slot: a scalar, or () if ``inner`` ignores value
+    # The value slot: a scalar, a `_value_since.ValueSince` (restored without
+    # one), or () if ``inner`` ignores value.
+    value: Any = ()
     noise: Any = ()
 
 
@@ -166,8 +168,9 @@ class Engine:
             k = self.k_of(window.update_step, window.noise)
             emit = (micro > 0) & ((micro >= k) | mb.close)
             updates, inner_state, stepped, stats = self._update_or_hold(
-                emit, mb, window, params, acc, value, mean_weight, micro, noise
-            )
+                emit, mb, window, params, acc, _value_since.current(value),
+                mean_weight, micro, noise,
+            )  # fmt: skip
             if self.noise_scale_decay is not None:
                 noise = ns.close(
                     noise,
@@ -195,7 +198,7 @@ class Engine:
         """The checks, the extra args and the skip decision for one call."""
         w = _weights.check(weight, window.weight.dtype)
         close = bool_scalar(close_window, "close_window")
-        value_slot = not isinstance(window.value, tuple)
+        value_slot = _value_since.is_slot(window.value)
         args = self.extra_args(extra_args, value_slot=value_slot)
         bad_weight = jnp.logical_not(_weights.usable(w))
         w = _weights.admitted(w)
@@ -245,7 +248,11 @@ class Engine:
 
         acc = jax.tree.map(add, mb.grads, window.accumulator)
         value = window.value
-        if mb.args.value is not None:
+        if isinstance(value, _value_since.ValueSince) and mb.args.value is not None:
+            value = _value_since.add(
+                value, mb.args.value, first, mb.weight, self.reduction
+            )
+        elif mb.args.value is not None:
             value = add(mb.args.value, window.value)
         return acc, new, value
 

@@ -26,7 +26,7 @@ from .. import _noise_scale as ns
 from .._deprecations import renamed_arguments
 from .._devices import Devices
 from .._typing import AccumulatorDType, AxisName
-from . import _skip
+from . import _skip, _value_since
 from ._clip_warning import warn_if_clipped_before
 from ._engine import Engine, Window
 
@@ -43,7 +43,9 @@ class MultiStepsState(NamedTuple):
       skip_state: what ``should_skip_update_fn`` returned as its second output.
       acc_value: ours, after optax's fields: the window's running ``value``
         (the loss passed to ``update``) when the wrapped optimizer reads it
-        (``reduce_on_plateau``, line searches), else ``()``.
+        (``reduce_on_plateau``, line searches), else ``()``. In a state
+        continued from an optax one (which holds no values), a pair
+        ``(value, count)``: the values since then, and how many.
       noise_scale: ours: a `NoiseScaleState` with ``noise_scale_decay``, else
         ``()``.
       updated: ours: with ``should_skip_update_fn``, a boolean scalar, whether
@@ -149,13 +151,20 @@ class MultiSteps:
     An ``optax.MultiSteps`` state continues in ours, mid-window too, and so
     does its checkpoint: with our features off, the state has optax's leaves
     under optax's names, so Orbax restores it into
-    ``jax.eval_shape(ms.init, params)``. With ``should_skip_update_fn`` the
-    state holds one leaf more, ``updated`` (optax's fields cannot tell a
-    rejected mini-step after an update from the update), which an optax
-    checkpoint lacks: restore into ``jax.eval_shape(ms.init,
-    params)._replace(updated=())``. The other way, hand optax
-    ``state.to_optax()`` (`MultiStepsState.to_optax`), not our state itself:
-    our ``acc_grads`` is not zeroed at an empty window.
+    ``jax.eval_shape(ms.init, params)``. Two features add a leaf that an
+    optax checkpoint lacks, and Orbax's restore names it: ``updated``, with
+    ``should_skip_update_fn`` (optax's fields cannot tell a rejected
+    mini-step after an update from the update), and ``acc_value``, where the
+    wrapped optimizer reads ``value``. Restore into ``jax.eval_shape(ms.init,
+    params)._replace(updated=(), acc_value=())``. The inner optimizer then
+    still gets the window's value: over a whole window, the mean (the sum
+    without ``use_grad_mean``) of its values, as ours does. Restored
+    mid-window, it gets the mean (or sum) of the values seen since the
+    restore: optax's state never held the ones before. From then on
+    ``acc_value`` holds that value with its count, so the state's own
+    checkpoints restore into ``jax.eval_shape(lambda: state)``. The other
+    way, hand optax ``state.to_optax()`` (`MultiStepsState.to_optax`), not
+    our state itself: our ``acc_grads`` is not zeroed at an empty window.
 
     Args:
       opt: the wrapped optimizer.
@@ -262,13 +271,15 @@ class MultiSteps:
         """Our state, or optax's (a checkpoint), as the engine's window."""
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
         value = getattr(state, "acc_value", ())
-        # An optax state has no value slot: the window's value starts here.
+        # An optax state (or ours restored from its checkpoint with
+        # ``acc_value=()``) has no value slot: the window's value is that of
+        # the values seen from here on (`_value_since`).
         if (
-            not isinstance(state, MultiStepsState)
+            _is_off(value)
             and "value" in extra_args
             and _extra_args.reads_value(self._opt, params, state.inner_opt_state)
         ):
-            value = jnp.asarray(extra_args["value"], _extra_args.value_dtype(params))
+            value = _value_since.empty(_extra_args.value_dtype(params))
         # Unit weights: the window's mean weight is 1 once it holds one.
         weight_dtype = _dtypes.weight_dtype(state.acc_grads)
         return Window(

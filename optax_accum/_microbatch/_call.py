@@ -199,6 +199,15 @@ def _check_differentiable(args: list, idx: tuple) -> None:
                 "arguments."
             )
         for path, x in jax.tree_util.tree_leaves_with_path(args[j]):
+            if not hasattr(x, "dtype") and not isinstance(x, int | float | complex):
+                raise TypeError(
+                    f"argument {j}{jax.tree_util.keystr(path)} is a "
+                    f"{type(x).__name__}, not an array: the loss face "
+                    "differentiates w.r.t. `argnums`, whose leaves must be "
+                    "arrays, as jax.grad requires. For an Equinox model, pass "
+                    "`eqx.partition(model, eqx.is_array)`'s arrays, or use "
+                    "`microbatch(eqx.filter_value_and_grad(loss), ...)`."
+                )
             if not _dtypes.is_differentiable(jnp.result_type(x)):
                 raise TypeError(
                     f"argument {j}{jax.tree_util.keystr(path)} has dtype "
@@ -213,12 +222,7 @@ def weights(batch_views: dict, opts: Options, dtype: Any) -> jax.Array:
     infinite or negative weight weighs 0 (`_weights`' contract)."""
 
     def weight_of(*columns):
-        w = opts.weight_fn(*columns)
-        if jnp.ndim(w) != 0:
-            raise ValueError(
-                f"`weight_fn` must return a scalar, got shape {jnp.shape(w)}."
-            )
-        return jnp.asarray(w, dtype)
+        return _weights.from_fn(opts.weight_fn(*columns), dtype)
 
     columns = [batch_views[i] for i in opts.batch_idx]
     return _weights.admitted(jax.vmap(weight_of, in_axes=1)(*columns))

@@ -86,7 +86,9 @@ def microbatch(
     ``jax.random.fold_in(key, i)``, so each micro-batch draws its own dropout.
 
     **Sharding.** By default (``data_axes=None``) the loop
-    runs in the global view, on any mesh and any parameter layout: ``fun``
+    runs in the global view, on any mesh and parameter layout that ``fun``
+    runs on (on an Explicit mesh, a gather may need ``out_sharding``, as for
+    ``jax.value_and_grad``; see the microbatch guide): ``fun``
     sees whole micro-batches, so its result is exactly the full batch's
     whatever it does with rows (means, sums, BatchNorm statistics), and the
     sharding annotations in ``fun`` keep their meaning. Buffers (the carry)

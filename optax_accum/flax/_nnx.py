@@ -32,6 +32,29 @@ class Parts(NamedTuple):
     state: Any  # nnx.State of everything else
 
 
+def check_arguments(model: Any, optimizer: Any) -> None:
+    """The step's ``(model, optimizer, *batch)``, in that order.
+
+    Raises:
+      TypeError: if ``optimizer`` is not an ``nnx.Optimizer``, or ``model``
+        is one (the two swapped).
+    """
+    order = "The step is called as `step(model, optimizer, *batch)`"
+    if isinstance(model, nnx.Optimizer) or not isinstance(optimizer, nnx.Optimizer):
+        swapped = isinstance(model, nnx.Optimizer)
+        raise TypeError(
+            "nnx_train_step's step got "
+            + (
+                f"`model` = an nnx.Optimizer and `optimizer` = "
+                f"{type(optimizer).__name__}: the two are swapped. "
+                if swapped
+                else f"`optimizer` = {type(optimizer).__name__}, not an nnx.Optimizer. "
+            )
+            + order
+            + "."
+        )
+
+
 def split(model: Any, wrt: Any) -> Parts:
     """``model`` in its `Parts`; a model still holding sown intermediates
     from an earlier call is refused (each step would append to them)."""

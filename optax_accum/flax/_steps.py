@@ -129,6 +129,7 @@ def nnx_train_step(
 
     def step(model, optimizer, *batch, noise_scale=None, loss_scale=None, **opt_kwargs):
         check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
+        _nnx.check_arguments(model, optimizer)
         parts = _nnx.split(model, optimizer.wrt)
 
         def loss(trained, frozen, *batch, state):

@@ -10,4 +10,6 @@ and the model's units; `model` is the documented semantics in float64 and
 compiled functions by structure); `compare` holds the tolerances; `run` is
 one cell end to end; `known` lists today's defects (strict xfails);
 `matrix` picks the cells and `compat` renders the table for the docs.
+`test_equinox` runs Equinox models (``None`` gradient leaves, `eqx.filter`
+partitions) on the faces against the full batch and the plain optimizer.
 """
