@@ -49,8 +49,10 @@ def value_and_grad(
         ``has_aux``, ``(loss, aux)``.
       num_microbatches: M. Micro-batch ``m`` is rows ``m, m+M, ...`` of the
         batch, as in `optax_accum.microbatch`.
-      schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S) or
-        ``"1f1b"`` (activations O(S), flat in M).
+      schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S),
+        ``"1f1b"`` (activations O(S), flat in M) or ``"zb_h1"`` (zero-bubble
+        ZB-H1: the backward split into an input gradient and a deferred
+        weight gradient; activations O(S), flat in M).
       repeats: stages per device, for ``"circular"``: device ``s`` runs
         stages ``s, s + S, ...``.
       stage_axis: the mesh axis of the stages.
