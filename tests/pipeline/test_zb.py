@@ -36,6 +36,26 @@ def test_exact(stages, m):
     te.check_exact("zb_h1", stages, m, 1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,m", [(2, 1), (4, 3), (8, 5)])
+def test_exact_fewer_microbatches_than_stages(stages, m):
+    te.check_exact("zb_h1", stages, m, 1)
+
+
+@pytest.mark.slow
+def test_bf16_stages():
+    fns = (te.first_bf16, te.stage_bf16, te.loss_f32)
+    params, batch = md.make(4, rows=32)
+    want = jax.jit(
+        jax.value_and_grad(
+            lambda p, b: md.sequential(p, b, *fns[1:2], first_fn=fns[0], loss_fn=fns[2])
+        )
+    )(params, batch)
+    got = te.pipelined(te.stage_mesh(4), params, batch, 8, schedule="zb_h1", fns=fns)
+    assert jax.tree.map(lambda g: g.dtype, got) == jax.tree.map(lambda g: g.dtype, want)
+    md.assert_close(got, want, rtol=2e-2)
+
+
 @pytest.mark.parametrize("weighted", sweep([True, False], fast=[True]))
 def test_data_mesh(weighted):
     """(data 2, stage 4), the rows sharded over ``data``, with token weights."""
