@@ -6,10 +6,12 @@ Config: the tests' tiny staged model (``tests/pipeline/models.py``: a tanh
 embedding, residual tanh stages, a linear head with a masked squared error)
 on a ``(data, stage=4)`` mesh of CPU devices.
 
-- **Bubbles**: the idle fraction of each schedule's table, against the
-  formulas ``(S-1)/(M+S-1)`` (GPipe) and ``(S-1)/(r·M+S-1)`` (circular,
-  interleaved 1F1B); and the lock-step time bubble with equal costs (a tick
-  lasts as long as its busiest device's op: a forward 1, a backward 2).
+- **Bubbles**: the idle fraction of each schedule's table, as slots and as
+  time under lock-step SPMD with equal op costs (``costs=(1, 1, 1)``: a
+  tick lasts as long as its busiest device's op), for S in {2, 4, 8} and
+  M in {S, 4S, 16S}, against the formulas ``(S-1)/(M+S-1)`` (GPipe) and
+  ``(S-1)/(r·M+S-1)`` (circular, and interleaved 1F1B's time bubble). Read
+  from the tables: no compile.
 - **Collectives**: per loop body and outside the loops, read from the
   compiled HLO on a (data 2, stage 4) mesh.
 - **Memory**: the compiled temp bytes for M = 8 ... 64 and their slope per
@@ -38,30 +40,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import harness
 
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (
+    ("gpipe", 1),
+    ("circular", 2),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zb_h1", 1),
+)
 STAGES = 4
+UNIT_COSTS = (1, 1, 1)  # forward, input gradient, weight gradient
 
 
-def time_bubble(table) -> float:
-    """The lock-step idle share of device-time with equal costs: each tick
-    lasts its busiest device's op, a forward 1, an unsplit backward 2."""
-    import numpy as np
-
-    cost = np.choose(table.op, (0, 1, 2))
-    return float(1.0 - cost.sum() / (table.op.shape[1] * cost.max(axis=1).sum()))
+def label(name: str, repeats: int) -> str:
+    return name + (f"_r{repeats}" if repeats > 1 else "")
 
 
 def bubbles() -> list[dict]:
+    """Slot and time bubbles of every schedule, from the tables alone."""
     from optax_accum import pipeline as pl
 
     rows = []
     for s in (2, 4, 8):
-        for m in (s, 2 * s, 8 * s):
+        for m in (s, 4 * s, 16 * s):
             row = {"S": s, "M": m, "gpipe_formula": (s - 1) / (m + s - 1)}
             for name, r in SCHEDULES:
-                key = f"{name}" + (f"_r{r}" if r > 1 else "")
-                row[key] = pl.bubble_fraction(name, s, m, r)
-                row[key + "_time"] = time_bubble(pl.schedule_table(name, s, m, r))
+                row[label(name, r)] = pl.bubble_fraction(name, s, m, r)
+                row[label(name, r) + "_time"] = pl.bubble_fraction(
+                    name, s, m, r, costs=UNIT_COSTS
+                )
             row["circular_r2_formula"] = (s - 1) / (2 * m + s - 1)
             rows.append(row)
     return rows
@@ -202,23 +208,7 @@ def measure(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 
 def markdown(data: dict[str, Any]) -> str:
     """The measurements as Markdown tables."""
-    lines = [
-        "## Bubble fraction: idle slots of the table / lock-step time, costs 1:2",
-        "",
-        "| S | M | GPipe | formula | circular r=2 | formula | 1F1B "
-        "| interleaved 1F1B r=2 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for b in data["bubbles"]:
-        both = {
-            k: f"{b[k]:.3f} / {b[k + '_time']:.3f}"
-            for k in ("gpipe", "circular_r2", "1f1b", "interleaved_1f1b_r2")
-        }
-        lines.append(
-            f"| {b['S']} | {b['M']} | {both['gpipe']} | {b['gpipe_formula']:.3f} "
-            f"| {both['circular_r2']} | {b['circular_r2_formula']:.3f} "
-            f"| {both['1f1b']} | {both['interleaved_1f1b_r2']} |"
-        )
+    lines = bubble_markdown(data["bubbles"])
     lines += [
         "",
         "## Per schedule (S = 4)",
@@ -246,6 +236,24 @@ def markdown(data: dict[str, Any]) -> str:
             f"({t['backend']}) |"
         )
     return "\n".join(lines) + "\n"
+
+
+def bubble_markdown(rows: list[dict]) -> list[str]:
+    """The bubble table: slots / time (equal costs) per schedule."""
+    names = [label(n, r) for n, r in SCHEDULES]
+    lines = [
+        "## Bubble fraction: idle slots / idle time (lock-step, costs 1, 1, 1)",
+        "",
+        "| S | M | GPipe formula | circular r=2 formula | " + " | ".join(names) + " |",
+        "|---|---|---|---|" + "---|" * len(names),
+    ]
+    for b in rows:
+        cells = [f"{b[n]:.3f} / {b[n + '_time']:.3f}" for n in names]
+        lines.append(
+            f"| {b['S']} | {b['M']} | {b['gpipe_formula']:.3f} "
+            f"| {b['circular_r2_formula']:.3f} | " + " | ".join(cells) + " |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

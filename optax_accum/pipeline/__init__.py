@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Pipeline parallelism over micro-batches: GPipe, circular, 1F1B and
-interleaved 1F1B.
+"""Pipeline parallelism over micro-batches: GPipe, circular, 1F1B,
+interleaved 1F1B and ZB-H1.
 
 The layers of a model sit on the devices of a mesh axis (the stage axis),
 and the micro-batches fill the pipeline; their gradients accumulate before

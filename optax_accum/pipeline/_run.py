@@ -25,7 +25,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from .. import _sharding
-from . import _1f1b, _gpipe, _interleaved
+from . import _1f1b, _gpipe, _interleaved, _zb
 from . import _schedule as sched
 from ._checks import check_call, first_microbatch, stage_input
 from ._step import Local, Pipeline, call_loss
@@ -106,7 +106,11 @@ def _scales(pipe: Pipeline, views: Any, data_axes: tuple[str, ...]) -> jax.Array
 
 def _aux_ticks(table: sched.ScheduleTable, pipe: Pipeline) -> np.ndarray:
     """The tick at which the last stage computes each micro-batch's loss."""
-    op = sched.FORWARD if pipe.schedule in ("gpipe", "circular") else sched.BACKWARD
+    op = {
+        "1f1b": sched.BACKWARD,
+        "interleaved_1f1b": sched.BACKWARD,
+        "zb_h1": sched.INPUT,
+    }.get(pipe.schedule, sched.FORWARD)
     last = table.op.shape[1] - 1
     ticks = np.zeros(pipe.num_microbatches, np.int32)
     for t in range(table.num_ticks):
@@ -123,9 +127,11 @@ def _body(pipe, stages, data_axes, table, h, aux, fp, sp, lp, views, key):
     ctx = Local(
         pipe, stage, stages, views, _scales(pipe, views, data_axes), key, h, aux, axes
     )
-    runner = {"1f1b": _1f1b, "interleaved_1f1b": _interleaved}.get(
-        pipe.schedule, _gpipe
-    )
+    runner = {
+        "1f1b": _1f1b,
+        "interleaved_1f1b": _interleaved,
+        "zb_h1": _zb,
+    }.get(pipe.schedule, _gpipe)
     loss, (gf, gs, gl), auxs = runner.run(ctx, (fp, sp, lp), table)
     gf, gl = lax.psum((gf, gl), axes)
     if data_axes:

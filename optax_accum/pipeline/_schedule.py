@@ -15,6 +15,15 @@ whenever one is ready, else a forward while fewer than ``S - s`` micro-batches
 are in flight on device ``s`` (so at most S stage inputs are ever held).
 Interleaved 1F1B too, over ``S · repeats`` stages, with forwards on even
 ticks and backwards on odd ones (`_interleaved` below).
+
+ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024) splits the
+backward into B, the input gradient on the critical path, and W, the weight
+gradient, deferred into what would be bubbles; see `_zero_bubble_h1`.
+
+`bubble_fraction` reads a table two ways: the share of idle (tick, device)
+slots, or, given the costs of the ops, the idle share of device-time under
+lock-step SPMD, where each tick lasts as long as its busiest device's op
+(every tick ends in a ``ppermute``).
 """
 
 from __future__ import annotations
@@ -30,11 +39,14 @@ class Op(enum.IntEnum):
 
     IDLE = 0
     FORWARD = 1
-    BACKWARD = 2
+    BACKWARD = 2  # the whole backward: input and weight gradients
+    INPUT = 3  # B of a split backward: the input gradient only
+    WEIGHT = 4  # W of a split backward: the weight gradient only
 
 
 IDLE, FORWARD, BACKWARD = Op.IDLE, Op.FORWARD, Op.BACKWARD
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+INPUT, WEIGHT = Op.INPUT, Op.WEIGHT
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
 # The schedules that run several stages per device and need M a multiple of S.
 _REPEATED = ("circular", "interleaved_1f1b")
 
@@ -42,9 +54,10 @@ _REPEATED = ("circular", "interleaved_1f1b")
 class ScheduleTable(NamedTuple):
     """A schedule: ``op``, ``microbatch`` and ``repeat``, each ``(ticks, S)``.
 
-    ``op`` holds `Op` values: 0 (idle), 1 (forward) or 2 (backward); ``microbatch`` and
-    ``repeat`` are -1 on idle cells. Device ``s`` with repeat ``r`` runs
-    stage ``r * S + s``.
+    ``op`` holds `Op` values: 0 (idle), 1 (forward), 2 (backward), or for a
+    split backward 3 (B, the input gradient) and 4 (W, the weight gradient);
+    ``microbatch`` and ``repeat`` are -1 on idle cells. Device ``s`` with
+    repeat ``r`` runs stage ``r * S + s``.
     """
 
     op: np.ndarray
@@ -220,14 +233,65 @@ def _interleaved(stages: int, microbatches: int, repeats: int) -> ScheduleTable:
     return table
 
 
+def _zb_pick(s: int, stages: int, ready_b: bool, ready_f: bool, pending_w: int):
+    """ZB-H1's choice on device ``s``: W when S are pending (the memory cap),
+    else B (the critical path), else F (1F1B's in-flight rule is in
+    ``ready_f``), else a deferred W in what would be a bubble."""
+    if pending_w >= stages:
+        return WEIGHT
+    if ready_b:
+        return INPUT
+    if ready_f:
+        return FORWARD
+    return WEIGHT if pending_w else IDLE
+
+
+def _zero_bubble_h1(stages: int, microbatches: int) -> ScheduleTable:
+    """ZB-H1: 1F1B's forwards, the backward split into B and W, by simulation.
+
+    Forwards follow 1F1B's rule (fewer than ``S - s`` micro-batches between F
+    and B on device ``s``); B runs as soon as its cotangent is there; W runs
+    in ticks with nothing else to do, or when S are pending. So at most S
+    stage inputs and S pending W residuals are held, flat in M. With equal
+    costs the table has ``3M + S - 1`` ticks (the lower bound) for M ≥ S.
+    """
+    ticks = 3 * microbatches + 2 * stages + 2
+    table = _empty(ticks, stages)
+    f_done = np.full((stages, microbatches), -1)
+    b_done = np.full((stages, microbatches), -1)
+    count = np.zeros((stages, 5), np.int64)  # ops done, indexed by Op
+    for t in range(ticks):
+        for s in range(stages):
+            n_f, n_b, n_w = count[s, FORWARD], count[s, INPUT], count[s, WEIGHT]
+            done = f_done[s] if s == stages - 1 else b_done[s + 1]
+            ready_b = n_b < n_f and 0 <= done[n_b] < t
+            ready_f = (
+                n_f < microbatches
+                and n_f - n_b < stages - s
+                and (s == 0 or 0 <= f_done[s - 1, n_f] < t)
+            )
+            op = _zb_pick(s, stages, ready_b, ready_f, n_b - n_w)
+            if op == IDLE:
+                continue
+            m = int(count[s, op])
+            count[s, op] += 1
+            if op != WEIGHT:
+                (f_done if op == FORWARD else b_done)[s, m] = t
+            table.op[t, s], table.microbatch[t, s], table.repeat[t, s] = op, m, 0
+    if (count[:, WEIGHT] != microbatches).any():  # pragma: no cover - a bug
+        raise AssertionError("the ZB-H1 simulation did not finish.")
+    last = int(np.nonzero((table.op != IDLE).any(axis=1))[0][-1]) + 1
+    return ScheduleTable(*(a[:last] for a in table))
+
+
 def schedule_table(
     schedule: str, num_stages: int, num_microbatches: int, repeats: int = 1
 ) -> ScheduleTable:
     """The static table of a pipeline schedule (ticks × devices).
 
     Args:
-      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"`` or
-        ``"interleaved_1f1b"``.
+      schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"``,
+        ``"interleaved_1f1b"`` or ``"zb_h1"``.
       num_stages: S, the size of the stage axis (devices).
       num_microbatches: M (a multiple of S for ``"circular"`` and
         ``"interleaved_1f1b"``).
@@ -246,23 +310,63 @@ def schedule_table(
         return _interleaved(num_stages, num_microbatches, repeats)
     if schedule == "1f1b":
         return _one_f_one_b(num_stages, num_microbatches)
+    if schedule == "zb_h1":
+        return _zero_bubble_h1(num_stages, num_microbatches)
     return _forward_and_mirror(num_stages, num_microbatches, repeats)
 
 
 def bubble_fraction(
-    schedule: str, num_stages: int, num_microbatches: int, repeats: int = 1
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    repeats: int = 1,
+    costs: tuple[float, float, float] | None = None,
 ) -> float:
-    """The fraction of (tick, device) slots that are idle in the table.
+    """The idle share of the table: of its slots, or of device-time.
 
+    Without ``costs``, the fraction of (tick, device) slots that are idle.
     GPipe: ``(S-1)/(M+S-1)``; circular: ``(S-1)/(r·M+S-1)``; 1F1B: GPipe's.
     Interleaved 1F1B idles more slots (its forwards wait for even ticks, its
     backwards for odd ones) but no device time in lock-step: its time
     bubble is circular's slot bubble.
 
+    With ``costs=(f, b, w)``, the times of a forward, an input-gradient (B)
+    and a weight-gradient (W) op (a whole backward costs ``b + w``), the idle
+    share of device-time under lock-step SPMD: each tick lasts as long as its
+    busiest device's op, since every tick ends in a ``ppermute``. With equal
+    costs GPipe's is still ``(S-1)/(M+S-1)``; 1F1B's is worse than its slot
+    count, as its ticks mix forwards with whole backwards.
+
     Examples:
       >>> from optax_accum.pipeline import bubble_fraction
       >>> bubble_fraction("gpipe", 4, 4)
       0.42857142857142855
+      >>> round(bubble_fraction("1f1b", 4, 16, costs=(1, 1, 1)), 4)
+      0.3333
     """
     table = schedule_table(schedule, num_stages, num_microbatches, repeats)
-    return float(np.mean(table.op == IDLE))
+    if costs is None:
+        return float(np.mean(table.op == IDLE))
+    busy = op_costs(costs)[table.op]
+    return float(1.0 - busy.sum() / (num_stages * busy.max(axis=1).sum()))
+
+
+def op_costs(costs) -> np.ndarray:
+    """The time of each `Op` (indexed by its value) from ``costs=(f, b, w)``."""
+    ok = isinstance(costs, (tuple, list)) and len(costs) == 3
+    if ok:
+        ok = all(
+            not isinstance(c, bool)
+            and isinstance(c, (int, float, np.integer, np.floating))
+            and np.isfinite(c)
+            and c >= 0
+            for c in costs
+        )
+    if not ok or sum(costs) <= 0:
+        raise ValueError(
+            "`costs` must be (f, b, w): three finite non-negative times of a "
+            "forward, an input-gradient and a weight-gradient op, not all "
+            f"zero; got {costs!r}."
+        )
+    f, b, w = (float(c) for c in costs)
+    return np.array([0.0, f, b + w, b, w])  # idle, F, whole backward, B, W

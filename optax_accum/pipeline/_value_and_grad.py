@@ -50,9 +50,11 @@ def value_and_grad(
       num_microbatches: M. Micro-batch ``m`` is rows ``m, m+M, ...`` of the
         batch, as in `optax_accum.microbatch`.
       schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S),
-        ``"1f1b"`` (activations O(S), flat in M) or ``"interleaved_1f1b"``
+        ``"1f1b"`` (activations O(S), flat in M), ``"interleaved_1f1b"``
         (needs M a multiple of S; activations O(S · repeats), flat in M,
-        with circular's slot bubble).
+        with circular's time bubble) or ``"zb_h1"`` (zero-bubble ZB-H1: the
+        backward split into an input gradient and a deferred weight
+        gradient; activations O(S), flat in M).
       repeats: stages per device, for ``"circular"`` and
         ``"interleaved_1f1b"``: device ``s`` runs stages ``s, s + S, ...``.
       stage_axis: the mesh axis of the stages.

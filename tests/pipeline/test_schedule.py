@@ -117,8 +117,9 @@ def test_interleaved_time_bubble_is_circulars(stages, m, repeats):
     so with any costs the lock-step time bubble is circular's formula."""
     table = pl.schedule_table("interleaved_1f1b", stages, m, repeats)
     want = (stages - 1) / (repeats * m + stages - 1)
-    for costs in ((1, 2), (1, 1), (1, 3)):
-        assert time_bubble(table, costs) == pytest.approx(want)
+    for costs in ((1, 1, 1), (1, 0.5, 0.5), (1, 2, 1)):
+        got = pl.bubble_fraction("interleaved_1f1b", stages, m, repeats, costs)
+        assert got == pytest.approx(want)
     assert not (table.op[1::2] == pl.Op.FORWARD).any()
     assert not (table.op[::2] == pl.Op.BACKWARD).any()
 
@@ -147,24 +148,17 @@ def test_interleaved_buffers_flat_in_m(stages, repeats):
     assert max(sizes[0]) <= 2 * stages * repeats
 
 
-def time_bubble(table, costs=(1, 2)):
-    """The lock-step idle share of device-time: a tick lasts as long as its
-    busiest device's op (a forward costs ``costs[0]``, an unsplit backward
-    ``costs[1]``, B + W)."""
-    cost = np.choose(table.op, (0, *costs))
-    return 1.0 - cost.sum() / (table.op.shape[1] * cost.max(axis=1).sum())
-
-
 def test_interleaved_time_bubble_below_1f1b():
     """S = 4, M = 16, f = b = w = 1: 1F1B's is 1 - 48/72, GPipe's 3/19,
     interleaved 1F1B's circular's 3/(16 r + 3)."""
-    one = time_bubble(pl.schedule_table("1f1b", 4, 16))
+    unit = (1, 1, 1)
+    one = pl.bubble_fraction("1f1b", 4, 16, costs=unit)
     assert one == pytest.approx(1 - 48 / 72)
-    gpipe = time_bubble(pl.schedule_table("gpipe", 4, 16))
-    assert gpipe == pytest.approx(3 / 19)
+    assert pl.bubble_fraction("gpipe", 4, 16, costs=unit) == pytest.approx(3 / 19)
     for r in (2, 3):
-        table = pl.schedule_table("interleaved_1f1b", 4, 16, r)
-        assert time_bubble(table) == pytest.approx(3 / (16 * r + 3))
+        got = pl.bubble_fraction("interleaved_1f1b", 4, 16, r, costs=unit)
+        assert got == pytest.approx(3 / (16 * r + 3))
+        assert got < one
 
 
 def test_interleaved_needs_m_multiple_of_s():
@@ -172,3 +166,105 @@ def test_interleaved_needs_m_multiple_of_s():
         pl.schedule_table("interleaved_1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match=r"`repeats` must be a positive int"):
         pl.schedule_table("interleaved_1f1b", 4, 8, 0)
+
+
+# ZB-H1 and the time bubble (issue 28).
+
+
+@pytest.mark.parametrize("stages,m", SIZES)
+def test_zb_h1_each_op_once_in_order(stages, m):
+    """Every (micro-batch, stage) gets one F, one B and one W: F in stage
+    order, B in reverse after the last F, W after its B on the same device;
+    no whole backward; one op per device per tick (a cell holds one op)."""
+    table = pl.schedule_table("zb_h1", stages, m)
+    idle = table.op == pl.Op.IDLE
+    assert np.all(table.microbatch[idle] == -1) and np.all(table.repeat[idle] == -1)
+    assert not np.any(table.op == pl.Op.BACKWARD)
+    found = ticks_of(table, stages)
+    ops = (pl.Op.FORWARD, pl.Op.INPUT, pl.Op.WEIGHT)
+    assert set(found) == {
+        (op, j, i) for op in ops for j in range(stages) for i in range(m)
+    }
+    assert all(len(v) == 1 for v in found.values())
+    tick = {k: v[0] for k, v in found.items()}
+    F, B, W = ops
+    for i in range(m):
+        for j in range(stages):
+            assert tick[W, j, i] > tick[B, j, i] > tick[F, j, i]
+            if j:
+                assert tick[F, j, i] > tick[F, j - 1, i]
+                assert tick[B, j - 1, i] > tick[B, j, i]
+    # The table ends with its last op.
+    assert not idle[-1].all()
+
+
+@pytest.mark.parametrize("stages,m", SIZES)
+def test_zb_h1_memory_bounds(stages, m):
+    """Device s holds at most S - s stage inputs (F to B, as 1F1B) and at
+    most S pending W residuals, taken in micro-batch order: the runner's
+    S-slot buffers (slot m mod S) rely on it."""
+    table = pl.schedule_table("zb_h1", stages, m)
+    for s in range(stages):
+        count = {op: np.cumsum(table.op[:, s] == op) for op in pl.Op}
+        flight = count[pl.Op.FORWARD] - count[pl.Op.INPUT]
+        pending = count[pl.Op.INPUT] - count[pl.Op.WEIGHT]
+        assert flight.max() <= stages - s
+        assert pending.max() <= stages
+        for op in (pl.Op.FORWARD, pl.Op.INPUT, pl.Op.WEIGHT):
+            order = table.microbatch[table.op[:, s] == op, s]
+            assert order.tolist() == list(range(m))
+
+
+@pytest.mark.parametrize("stages,m", SIZES)
+def test_time_bubble(stages, m):
+    """With equal costs GPipe's time bubble is its slot formula; ZB-H1's
+    table has 3M + S - 1 ticks once M ≥ S (each device's 3M ops plus the
+    fill), the lower bound."""
+    unit = (1, 1, 1)
+    gpipe = pl.bubble_fraction("gpipe", stages, m, costs=unit)
+    assert gpipe == pytest.approx((stages - 1) / (m + stages - 1))
+    zb = pl.bubble_fraction("zb_h1", stages, m, costs=unit)
+    assert zb == pytest.approx(pl.bubble_fraction("zb_h1", stages, m))
+    if m >= stages:
+        assert pl.schedule_table("zb_h1", stages, m).num_ticks == 3 * m + stages - 1
+        assert zb == pytest.approx((stages - 1) / (3 * m + stages - 1))
+    assert zb <= pl.bubble_fraction("1f1b", stages, m, costs=unit) + 1e-12
+
+
+def test_time_bubble_values():
+    """S = 4, M = 16, costs (1, 1, 1): the issue's numbers."""
+    unit = (1, 1, 1)
+    one_f_one_b = pl.bubble_fraction("1f1b", 4, 16, costs=unit)
+    assert one_f_one_b == pytest.approx(1 - 48 / 72)
+    assert pl.bubble_fraction("1f1b", 4, 16) == pytest.approx(3 / 19)
+    assert pl.bubble_fraction("gpipe", 4, 16, costs=unit) == pytest.approx(3 / 19)
+    zb = pl.bubble_fraction("zb_h1", 4, 16, costs=unit)
+    assert zb == pytest.approx(3 / 51)
+    assert zb <= one_f_one_b / 2
+    # Unequal costs: a tick lasts as long as its slowest op.
+    got = pl.bubble_fraction("gpipe", 2, 2, costs=(1, 2, 1))
+    assert got == pytest.approx(1 - 2 * 2 * 4 / (2 * (3 * 1 + 3 * 3)))
+
+
+@pytest.mark.parametrize(
+    "costs",
+    [
+        (1, 1),
+        (1, 1, 1, 1),
+        (1, -1, 1),
+        (1, float("nan"), 1),
+        (0, 0, 0),
+        "abc",
+        3,
+        (True, 1, 1),
+        (1, float("inf"), 1),
+    ],
+)
+def test_bad_costs(costs):
+    with pytest.raises(ValueError, match="`costs`"):
+        pl.bubble_fraction("gpipe", 2, 2, costs=costs)
+
+
+def test_zb_h1_needs_repeats_one():
+    with pytest.raises(ValueError, match="repeats"):
+        pl.schedule_table("zb_h1", 2, 4, 2)
