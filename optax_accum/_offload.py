@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from . import _sharding
 
@@ -174,6 +175,27 @@ def offloaded_bytes(tree: Any) -> int:
         shape = x.sharding.shard_shape(tuple(np.shape(x)))
         total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     return total
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """``x`` as a ``ShapeDtypeStruct`` that keeps its sharding and memory kind.
+
+    A ``SingleDeviceSharding``'s memory kind does not reach the traced type
+    of a ``ShapeDtypeStruct`` (JAX 0.10), a ``NamedSharding``'s does; so a
+    leaf in host memory on one device gets a one-device mesh.
+    """
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, SingleDeviceSharding) and sharding.memory_kind not in (
+        None,
+        "device",
+    ):
+        mesh = Mesh(np.array(list(sharding.device_set)), ("device",))
+        sharding = NamedSharding(mesh, P(), memory_kind=sharding.memory_kind)
+    elif isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(
+        np.shape(x), jax.dtypes.result_type(x), sharding=sharding
+    )
 
 
 def device_bytes(stats: Any, host_state: int) -> tuple[int, str]:

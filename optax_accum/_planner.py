@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _checks
+from . import _checks, _offload
 from ._deprecations import renamed_arguments, warn
 
 
@@ -35,6 +35,12 @@ class MicrobatchPlan(NamedTuple):
       next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
         budget), or None.
       num_compilations: how many sizes were compiled.
+      offloaded_bytes: bytes per device of the optimizer state kept off the
+        device (`offload`), left out of ``memory_bytes``.
+      memory_note: how the offloaded state was left out: by the memory
+        analysis's own host split, or, on a backend without one (CPU, where
+        host and device share memory), by the state's own bytes; empty
+        without an offloaded state.
     """
 
     microbatch_size: int
@@ -45,6 +51,8 @@ class MicrobatchPlan(NamedTuple):
     next_microbatch_size: int | None
     next_memory_bytes: int | None
     num_compilations: int
+    offloaded_bytes: int = 0
+    memory_note: str = ""
 
     @property
     def micro_batch_size(self) -> int:
@@ -151,10 +159,15 @@ def plan_microbatch(
     `compiled_memory_bytes`: ``argument + output - alias + temp`` bytes from
     ``compiled.memory_analysis()``. A binary search over the candidates, with
     ``O(log n)`` compilations, returns a size that fits the budget whose next
-    candidate does not. This assumes memory grows with ``m``; XLA may choose
-    other algorithms at tiny sizes (a matrix-vector product at ``m = 1``), so
-    the plan reports both estimates, and if the smallest candidate does not
-    fit, the second smallest is tried before giving up.
+    candidate does not. An optimizer state kept in host memory (`offload`;
+    arrays or ``ShapeDtypeStruct`` s whose sharding names the memory kind) is
+    left out of those bytes: by the analysis's host split where the backend
+    reports one, otherwise by the state's own bytes, and the plan says which
+    (``offloaded_bytes``, ``memory_note``). This assumes memory grows with
+    ``m``; XLA may choose other algorithms at tiny sizes (a matrix-vector
+    product at ``m = 1``), so the plan reports both estimates, and if the
+    smallest candidate does not fit, the second smallest is tried before
+    giving up.
 
     The number of micro-batches is ``k = ceil(target_batch_size / m)``. With
     ``divisors_only`` (the default), the candidates divide the target, so the
@@ -244,7 +257,8 @@ def plan_fused_step(
     candidate micro-batch size ``m`` (the divisors of the target that are
     multiples of ``multiple_of``, at most ``max_microbatch_size``) at
     ``k = target_batch_size // m``, and `compiled_memory_bytes` of each is
-    compared with the budget, in a binary search as in `plan_microbatch`.
+    compared with the budget, in a binary search as in `plan_microbatch`
+    (which also says how an offloaded state is left out).
 
     Args:
       make_step: ``k -> step``; a ``jax.jit``-wrapped step is lowered with its
@@ -351,6 +365,8 @@ def _plan(
         next_microbatch_size=next_m,
         next_memory_bytes=None if next_m is None else estimate(next_m),
         num_compilations=len(estimate.memory),
+        offloaded_bytes=estimate.host_state,
+        memory_note=estimate.note,
     )
 
 
@@ -360,19 +376,11 @@ class _Estimates:
     def __init__(self, step_at, rows_at, params, opt_state, example):
         self.step_at, self.rows_at = step_at, rows_at
         # Arrays keep their sharding, so a sharded state is planned per device.
-        self.abstract = jax.tree.map(
-            lambda x: (
-                x
-                if isinstance(x, jax.ShapeDtypeStruct)
-                else jax.ShapeDtypeStruct(
-                    np.shape(x),
-                    jax.dtypes.result_type(x),
-                    sharding=getattr(x, "sharding", None),
-                )
-            ),
-            (params, opt_state),
-        )
+        # So does a state kept in host memory (`offload`).
+        self.abstract = jax.tree.map(_offload.abstract, (params, opt_state))
         self.with_state = opt_state is not None
+        self.host_state = _offload.offloaded_bytes(self.abstract[1])
+        self.note = ""
         self.example = example
         self.memory: dict[int, int] = {}
 
@@ -388,7 +396,9 @@ class _Estimates:
             params, opt_state = self.abstract
             args = (params, opt_state, batch) if self.with_state else (params, batch)
             compiled = self.step_at(m).lower(*args).compile()
-            self.memory[m] = compiled_memory_bytes(compiled)
+            compiled_memory_bytes(compiled)  # raises without a memory analysis
+            stats = compiled.memory_analysis()
+            self.memory[m], self.note = _offload.device_bytes(stats, self.host_state)
         return self.memory[m]
 
 

@@ -308,3 +308,56 @@ def test_fused_step_moves_the_state_once_per_step_and_equals_plain():
         _moves(text.splitlines(), "device"),
         _moves(text.splitlines(), "pinned_host"),
     ) == (n, n)
+
+
+def _planned(offloaded, fused, budget):
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    inner = optax.adam(1e-3)
+    params = jnp.zeros((64, 256))
+    if fused:
+        tx = optax_accum.offload(inner) if offloaded else inner
+
+        def make_step(k):
+            grad_fn = optax_accum.microbatch_value_and_grad(loss, k)
+
+            def step(w, state, x):
+                return tx.update(grad_fn(w, x)[1], state, w)
+
+            return jax.jit(step)
+
+        return optax_accum.plan_fused_step(
+            make_step,
+            params,
+            tx.init(params),
+            jnp.zeros(64),
+            256,
+            memory_budget=budget,
+        )
+    inner = optax_accum.offload(inner) if offloaded else inner
+    tx = optax_accum.accumulate(inner, 4)
+
+    @jax.jit
+    def step(w, state, x):
+        return tx.update(jax.grad(loss)(w, x), state, w)
+
+    return optax_accum.plan_microbatch(
+        step, params, tx.init(params), jnp.zeros(64), 256, memory_budget=budget
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["microbatch", "fused_step"])
+def test_planner_leaves_the_offloaded_state_out_of_device_bytes(fused):
+    plain, offl = _planned(False, fused, 2**22), _planned(True, fused, 2**22)
+    assert plain.microbatch_size == offl.microbatch_size == 256  # both fit
+    state_bytes = 4 + 2 * 64 * 256 * 4  # Adam's count, mu and nu
+    assert (plain.offloaded_bytes, plain.memory_note) == (0, "")
+    assert offl.offloaded_bytes == state_bytes
+    assert "no host split" in offl.memory_note  # CPU: host and device share memory
+    # Not donated: the state in and the state out both leave the device.
+    assert plain.memory_bytes - offl.memory_bytes >= 2 * state_bytes - 64
+    # The freed bytes buy a larger micro-batch under a tighter budget.
+    tight = 650_000
+    assert _planned(True, fused, tight).microbatch_size == 256
+    assert _planned(False, fused, tight).microbatch_size < 256
