@@ -361,3 +361,53 @@ def test_planner_leaves_the_offloaded_state_out_of_device_bytes(fused):
     tight = 650_000
     assert _planned(True, fused, tight).microbatch_size == 256
     assert _planned(False, fused, tight).microbatch_size < 256
+
+
+def _flax_data():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    return x, jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+
+
+def _nnx_run(tx):
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2), 4))
+    for _ in range(3):
+        step(model, optimizer, *_flax_data())
+    leaves = jax.tree.leaves(nnx.state(optimizer.opt_state))
+    return jax.tree.leaves(nnx.state(model)), leaves
+
+
+def _linen_run(tx):
+    import flax.linen as nn
+    from flax.training import train_state
+
+    from optax_accum.flax import linen_train_step
+
+    net = nn.Dense(2)
+    x, y = _flax_data()
+    params = net.init(jax.random.key(0), x)["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+    def loss_fn(params, rng, x, y):
+        return jnp.mean((net.apply({"params": params}, x) - y) ** 2)
+
+    step = jax.jit(linen_train_step(loss_fn, num_microbatches=4))
+    for _ in range(3):
+        state, _ = step(state, x, y)
+    return jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
+
+
+@pytest.mark.parametrize("run", [_nnx_run, _linen_run], ids=["nnx", "linen"])
+def test_flax_steps_take_it_as_the_optimizer(run):
+    pytest.importorskip("flax")
+    plain, _ = run(optax.adamw(1e-2))
+    offl, state = run(optax_accum.offload(optax.adamw(1e-2)))
+    assert {x.sharding.memory_kind for x in state} == {"pinned_host"}
+    for a, b in zip(plain, offl, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
