@@ -99,7 +99,9 @@ def offload(
     branch, so the state moves once per window; in a fused step
     (`microbatch_value_and_grad` then ``tx.update``) once per step.
     ``optax.MultiSteps`` cannot hold it: it picks the new or the old state
-    with ``jnp.where``, a computation the compiler rejects over host memory.
+    with ``jnp.where``, on the device, and its ``lax.cond`` then rejects a
+    branch that returns the state in device memory next to one that keeps
+    it in host memory.
 
     Donating the state: under an Auto mesh ``jax.jit`` aliases each state
     buffer with its own output. Under an Explicit mesh it pairs donated

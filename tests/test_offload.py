@@ -266,8 +266,9 @@ def test_device_memory_kind_is_the_inner_optimizer():
 
 
 def test_optax_multisteps_cannot_hold_it():
-    # Its skip branch builds the inner state anew on the device, so the two
-    # branches of its lax.cond disagree on the memory.
+    # It selects the new or old inner state with jnp.where, on the device,
+    # so its update branch returns device memory and its skip branch host
+    # memory: its lax.cond rejects the mismatch.
     params = {"w": jnp.ones(3)}
     tx = optax.MultiSteps(optax_accum.offload(optax.adam(0.1)), K)
     state = tx.init(params)
