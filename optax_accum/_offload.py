@@ -169,14 +169,8 @@ def _kind(x: Any) -> str | None:
 
 def offloaded_bytes(tree: Any) -> int:
     """Bytes per device of ``tree``'s leaves that live outside device memory."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        kind = _kind(x)
-        if kind is None or kind == "device" or not hasattr(x, "shape"):
-            continue
-        shape = x.sharding.shard_shape(tuple(np.shape(x)))
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
+    leaves = jax.tree.leaves(tree)
+    return sum(_per_device(x) for x in leaves if hasattr(x, "shape") and _in_host(x))
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -187,10 +181,7 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     leaf in host memory on one device gets a one-device mesh.
     """
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, SingleDeviceSharding) and sharding.memory_kind not in (
-        None,
-        "device",
-    ):
+    if isinstance(sharding, SingleDeviceSharding) and _in_host(x):
         mesh = Mesh(np.array(list(sharding.device_set)), ("device",))
         sharding = NamedSharding(mesh, P(), memory_kind=sharding.memory_kind)
     elif isinstance(x, jax.ShapeDtypeStruct):
@@ -200,26 +191,54 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     )
 
 
-def device_bytes(stats: Any, host_state: int) -> tuple[int, str]:
-    """Peak device bytes from a memory analysis, less an offloaded state.
+def _per_device(x: Any) -> int:
+    shape = x.sharding.shard_shape(tuple(x.shape))
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
-    Where the backend splits host from device memory (``host_*`` sizes), its
-    device sizes already leave the state out. Where it does not (CPU, where
-    host and device share memory), the state's own bytes, ``host_state``,
-    are taken out of the arguments and outputs (once, if donated).
+
+def _in_host(x: Any) -> bool:
+    return _kind(x) not in (None, "device")
+
+
+def device_bytes(compiled: Any) -> tuple[int, str]:
+    """Peak device bytes of a compiled call, less what it keeps in host memory.
+
+    ``argument + output - alias + temp`` of ``compiled.memory_analysis()``.
+    Where the backend splits host from device memory (its ``host_*`` sizes),
+    these are device sizes already. Where it does not (the CPU, where host
+    and device share memory), the inputs and outputs in host memory (an
+    `offload` ed state) are taken out, by their own bytes, and a donated one
+    once from the aliased bytes.
 
     Returns:
-      The bytes, and a note saying which of the two it did.
+      The bytes, and a note saying which of the two it did ("" without
+      buffers in host memory).
     """
+    stats = compiled.memory_analysis()
     arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
     alias, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
-    split = stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
-    if not host_state:
-        return int(arg + out - alias + temp), ""
-    if split:
-        return int(arg + out - alias + temp), "memory_analysis splits host memory"
-    device = (arg - host_state) + (out - host_state) - max(alias - host_state, 0)
-    return int(device + temp), (
-        f"no host split in memory_analysis: the offloaded state's own "
-        f"{host_state:,} bytes left out"
+    total = int(arg + out - alias + temp)
+    if stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes:
+        return total, "memory_analysis splits host memory off"
+    args = jax.tree.leaves(compiled.args_info)
+    shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=lambda s: s is None)
+    if len(args) != len(shardings):  # no way to pair them: count as on device
+        return total, ""
+    host_in = host_donated = 0
+    for info, sharding in zip(args, shardings, strict=True):
+        if sharding is None or not hasattr(info, "shape"):
+            continue
+        x = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+        if _in_host(x):
+            host_in += _per_device(x)
+            host_donated += _per_device(x) if info.donated else 0
+    host_out = sum(
+        _per_device(x) for x in jax.tree.leaves(compiled.out_info) if _in_host(x)
+    )
+    if not host_in + host_out:
+        return total, ""
+    aliased = min(host_donated, host_out, alias)
+    return total - host_in - host_out + aliased, (
+        f"no host split in memory_analysis: {host_in + host_out - aliased:,} "
+        "bytes of buffers in host memory left out by their own sizes"
     )

@@ -75,7 +75,9 @@ def compiled_memory_bytes(compiled: Any) -> int:
 
     ``argument + output - alias + temp``: the inputs, the outputs that do not
     reuse a donated input buffer, and XLA's scratch buffers, all live at once
-    in the worst case. Generated code is not counted.
+    in the worst case. Generated code is not counted, nor are inputs and
+    outputs in host memory (an `offload` ed state): a GPU's analysis reports
+    them apart, and on the CPU, which does not, their own bytes come out.
 
     Args:
       compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
@@ -98,12 +100,7 @@ def compiled_memory_bytes(compiled: Any) -> int:
             "This backend reports no memory analysis for compiled executables, "
             "so the micro-batch size cannot be planned ahead of time."
         )
-    return int(
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-    )
+    return _offload.device_bytes(compiled)[0]
 
 
 def _default_budget(device: Any) -> int:
@@ -397,8 +394,7 @@ class _Estimates:
             args = (params, opt_state, batch) if self.with_state else (params, batch)
             compiled = self.step_at(m).lower(*args).compile()
             compiled_memory_bytes(compiled)  # raises without a memory analysis
-            stats = compiled.memory_analysis()
-            self.memory[m], self.note = _offload.device_bytes(stats, self.host_state)
+            self.memory[m], self.note = _offload.device_bytes(compiled)
         return self.memory[m]
 
 
