@@ -96,7 +96,11 @@ def _note(data: dict[str, Any]) -> str:
     return (
         f"On {data['backend']}, memory_analysis() reports no host split: host "
         "and device share memory there, so the device bytes with offload leave "
-        "out the state's own bytes, and the times show the copies' cost only."
+        "out the state's own bytes, and the times show the copies' cost only. "
+        "The offloaded steps donate the parameters only (the state's pairing "
+        "on one device is left to XLA), so the fused step's figure also counts "
+        "the temp memory XLA then stops reporting: read the accumulate rows "
+        "for the state's 8 bytes per parameter."
     )
 
 
