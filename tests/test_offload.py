@@ -177,20 +177,44 @@ def _moves(lines, kind):
     )
 
 
-@pytest.mark.parametrize("wrapper", sweep(list(WRAPPERS), fast=["accumulate"]))
-def test_state_moves_only_inside_the_boundary_branch(wrapper):
+def _result_annotations_only(lines):
+    """Whether every annotation in ``lines`` is an operand of the ``return``:
+    an Explicit mesh's result memory kinds, not a move of the state."""
+    ids = {
+        m.group(1)
+        for x in lines
+        if (m := re.search(r"(%\d+) = stablehlo.custom_call @annotate_device", x))
+    }
+    ret = next(x for x in lines if x.strip().startswith("return "))
+    returned = set(re.findall(r"%\d+", ret.split(":")[0]))
+    return ids <= returned
+
+
+@pytest.mark.parametrize(
+    "wrapper,placement",
+    sweep(
+        list(itertools.product(WRAPPERS, PLACEMENTS)),
+        fast=[("accumulate", "one_device")],
+    ),
+)
+def test_state_moves_only_inside_the_boundary_branch(wrapper, placement):
     # The CPU backend lowers memory moves to nothing, so read the program
     # lowered for GPU, where they are `annotate_device_placement` calls.
-    _, params, grads = _setup("one_device")
+    mesh, params, grads = _setup(placement)
     tx = WRAPPERS[wrapper](optax_accum.offload(optax.adamw(1e-2)), K)
-    state = tx.init(params)
-    traced = jax.jit(tx.update).trace(grads[0], state, params)
-    mlir = traced.lower(lowering_platforms=("cuda",)).as_text()
+    with jax.set_mesh(mesh) if mesh is not None else _null():
+        state = tx.init(params)
+        traced = jax.jit(tx.update).trace(grads[0], state, params)
+        mlir = traced.lower(lowering_platforms=("cuda",)).as_text()
     outside, hold, boundary = _case_regions(mlir)
     n = len(jax.tree.leaves(_inner_state(state)))
     assert (_moves(boundary, "device"), _moves(boundary, "pinned_host")) == (n, n)
     assert _moves(hold, "device") + _moves(hold, "pinned_host") == 0
-    assert _moves(outside, "device") + _moves(outside, "pinned_host") == 0
+    if placement == "fsdp_explicit":
+        assert _moves(outside, "pinned_host") == n  # the state's outputs
+        assert _result_annotations_only(outside)
+    else:
+        assert _moves(outside, "device") + _moves(outside, "pinned_host") == 0
 
 
 def _aliases(hlo):
