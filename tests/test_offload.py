@@ -436,3 +436,17 @@ def test_flax_steps_take_it_as_the_optimizer(run):
     assert {x.sharding.memory_kind for x in state} == {"pinned_host"}
     for a, b in zip(plain, offl, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("placement", sweep(PLACEMENTS, fast=["fsdp_auto"]))
+def test_jitted_init_places_the_state_in_host(placement):
+    mesh, params, _ = _setup(placement)
+    tx = optax_accum.accumulate(optax_accum.offload(optax.adamw(1e-2)), K)
+    with jax.set_mesh(mesh) if mesh is not None else _null():
+        kwargs = {}
+        if mesh is not None:  # under Auto, jit would otherwise replicate the zeros
+            kwargs["out_shardings"] = optax_accum.state_shardings(tx, params)
+        state = jax.jit(tx.init, **kwargs)(params)
+    _assert_in_host(state)
+    if mesh is not None:
+        assert state.inner_state[0].mu["w1"].sharding.spec == P("data", None)
