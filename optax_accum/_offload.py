@@ -53,11 +53,9 @@ def _move(tree: Any, space: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, space) if _is_array(x) else x, tree)
 
 
-def _mesh_of(params: Any) -> Any:
-    for x in jax.tree.leaves(params):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x.sharding.mesh
-    return None
+def _on_mesh(params: Any) -> bool:
+    leaves = jax.tree.leaves(params)
+    return any(isinstance(getattr(x, "sharding", None), NamedSharding) for x in leaves)
 
 
 def _place(inner: Any, state: Any, params: Any, memory_kind: str) -> Any:
@@ -74,8 +72,7 @@ def _place(inner: Any, state: Any, params: Any, memory_kind: str) -> Any:
         isinstance(x, jax.core.Tracer) for x in leaves
     ):
         return _move(state, _SPACES[memory_kind])
-    mesh = _mesh_of(params)
-    if mesh is not None:
+    if _on_mesh(params):
         shardings = _sharding.state_shardings(inner, params)
     else:
         shardings = jax.tree.map(lambda x: x.sharding, state)
