@@ -251,25 +251,32 @@ def test_donated_state_is_updated_in_place(placement):
             _assert_in_host(state)
 
 
-def test_orbax_round_trip_returns_the_state_to_host_and_resumes_exactly(tmp_path):
-    _, params, grads = _setup("one_device")
+@pytest.mark.parametrize("placement", sweep(PLACEMENTS, fast=["one_device"]))
+def test_orbax_round_trip_returns_the_state_to_host_and_resumes_exactly(
+    tmp_path, placement
+):
+    mesh, params, grads = _setup(placement)
     tx = optax_accum.accumulate(optax_accum.offload(optax.adamw(1e-2)), K)
-    step = jax.jit(tx.update)
-    state = tx.init(params)
-    for g in grads[:3]:  # the middle of the second window
-        _, state = step(g, state, params)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(tmp_path / "state", state)
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(tmp_path / "state", abstract)
-    _assert_in_host(restored)
-    for g in grads[3:]:
-        u_a, state = step(g, state, params)
-        u_b, restored = step(g, restored, params)
+    with jax.set_mesh(mesh) if mesh is not None else _null():
+        step = jax.jit(tx.update)
+        state = tx.init(params)
+        for g in grads[:3]:  # the middle of the second window
+            _, state = step(g, state, params)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            state,
+        )
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp_path / "state", state)
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(tmp_path / "state", abstract)
         _assert_in_host(restored)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+            assert a.sharding == b.sharding
+        for g in grads[3:]:
+            u_a, state = step(g, state, params)
+            u_b, restored = step(g, restored, params)
+            _assert_in_host(restored)
         for a, b in zip(
             jax.tree.leaves((u_a, state)), jax.tree.leaves((u_b, restored)), strict=True
         ):
