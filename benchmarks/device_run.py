@@ -97,6 +97,7 @@ def _titles(cfg: dict[str, Any]) -> dict[str, str]:
     a, m = cfg["accumulate"]["config"], cfg["microbatch"]["config"]
     mm, tt = cfg["memory_map"]["args"], cfg["time_per_token"]["args"]
     oh, preset = cfg["overhead"]["args"], cfg["transformer"]["preset"]
+    of = cfg["offload"]["args"]
     return {
         "accumulate": f"`accumulate` vs `optax.MultiSteps`: {a['depth']}x"
         f"{a['width']} MLP, micro-batch {a['micro']}, k={a['k']}, Adam, 1 device",
@@ -110,6 +111,9 @@ def _titles(cfg: dict[str, Any]) -> dict[str, str]:
         f"{tt['micro']}, k={tt['k']}",
         "overhead": "Accumulation overhead at the largest plain batch that fits: "
         f"{preset}, {oh['dtype']}, remat {oh['remat']}, k={oh['k']}",
+        "offload": f"Offload: AdamW's state in host memory, {preset}, "
+        f"{of['dtype']}, fused step and `accumulate` at "
+        f"k={'/'.join(map(str, of['ks']))}, with and without",
     }
 
 
@@ -117,7 +121,7 @@ def sections(ctx: Context) -> list[Section]:
     """The device run, in order."""
     import bench_accumulate as ba
     import bench_microbatch as bm
-    from transformer import largest_batch, memory_map, time_per_token
+    from transformer import largest_batch, memory_map, offload, time_per_token
 
     cfg, title = ctx.cfg, _titles(ctx.cfg)
     runs: dict[str, tuple[Callable[[float], dict], Callable[[dict], str]]] = {
@@ -149,6 +153,12 @@ def sections(ctx: Context) -> list[Section]:
                 budget=_overhead_budget(cfg["overhead"]),
             ),
             largest_batch.markdown,
+        ),
+        "offload": (
+            lambda deadline: offload.measure(
+                ctx.bench(), **ctx.common("offload"), deadline=deadline
+            ),
+            offload.markdown,
         ),
     }  # fmt: skip
     return [

@@ -75,6 +75,19 @@ DEVICE: dict[str, Any] = {
         "budget_bytes": None,
         "estimate_s": 100,
     },
+    # 2 forms x 3 k x with/without offload = 12 gpt2_small compilations (the
+    # fused step and `accumulate` without offload at k=4 come from above): 2
+    # waves of 6, ~45 s each; 4 rounds of 12 updates of ~0.05 to 0.6 s: ~110 s.
+    "offload": {
+        "args": {
+            "ks": (1, 4, 16),
+            "remat": "none",
+            "dtype": "bf16",
+            "micro": 8,
+            "rounds": 4,
+        },
+        "estimate_s": 110,
+    },
 }
 
 # The same code paths on the CPU, on sizes that take seconds.
@@ -125,6 +138,16 @@ SMOKE: dict[str, Any] = {
         },
         "budget_fraction": 0.9,
         "budget_bytes": 8 * 2**20,  # the CPU reports no free memory
+        "estimate_s": 10,
+    },
+    "offload": {
+        "args": {
+            "ks": (1, 2),  # k=2 reuses the time_per_token steps
+            "remat": "none",
+            "dtype": "bf16",
+            "micro": 2,
+            "rounds": 2,
+        },
         "estimate_s": 10,
     },
 }

@@ -32,6 +32,7 @@ from ._microbatch import microbatch as microbatch
 from ._microbatch import microbatch_value_and_grad as microbatch_value_and_grad
 from ._noise_scale import NoiseScale as NoiseScale
 from ._noise_scale import NoiseScaleState as NoiseScaleState
+from ._offload import offload as offload
 from ._partial_sums import defer_reduction as defer_reduction
 from ._planner import MicrobatchPlan as MicrobatchPlan
 from ._planner import compiled_memory_bytes as compiled_memory_bytes
@@ -106,6 +107,7 @@ __all__ = [
     "microbatch",
     "microbatch_value_and_grad",
     "noise_scale",
+    "offload",
     "plan_fused_step",
     "plan_microbatch",
     "scale_learning_rate",

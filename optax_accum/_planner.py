@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _checks
+from . import _checks, _offload
 from ._deprecations import renamed_arguments, warn
 
 
@@ -35,6 +35,12 @@ class MicrobatchPlan(NamedTuple):
       next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
         budget), or None.
       num_compilations: how many sizes were compiled.
+      offloaded_bytes: bytes per device of the optimizer state kept off the
+        device (`offload`), left out of ``memory_bytes``.
+      memory_note: how the offloaded state was left out: by the memory
+        analysis's own host split, or, on a backend without one (CPU, where
+        host and device share memory), by the state's own bytes; empty
+        without an offloaded state.
     """
 
     microbatch_size: int
@@ -45,6 +51,8 @@ class MicrobatchPlan(NamedTuple):
     next_microbatch_size: int | None
     next_memory_bytes: int | None
     num_compilations: int
+    offloaded_bytes: int = 0
+    memory_note: str = ""
 
     @property
     def micro_batch_size(self) -> int:
@@ -67,7 +75,9 @@ def compiled_memory_bytes(compiled: Any) -> int:
 
     ``argument + output - alias + temp``: the inputs, the outputs that do not
     reuse a donated input buffer, and XLA's scratch buffers, all live at once
-    in the worst case. Generated code is not counted.
+    in the worst case. Generated code is not counted, nor are inputs and
+    outputs in host memory (an `offload` ed state): a GPU's analysis reports
+    them apart, and on the CPU, which does not, their own bytes come out.
 
     Args:
       compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
@@ -90,12 +100,7 @@ def compiled_memory_bytes(compiled: Any) -> int:
             "This backend reports no memory analysis for compiled executables, "
             "so the micro-batch size cannot be planned ahead of time."
         )
-    return int(
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-    )
+    return _offload.device_bytes(compiled)[0]
 
 
 def _default_budget(device: Any) -> int:
@@ -151,10 +156,15 @@ def plan_microbatch(
     `compiled_memory_bytes`: ``argument + output - alias + temp`` bytes from
     ``compiled.memory_analysis()``. A binary search over the candidates, with
     ``O(log n)`` compilations, returns a size that fits the budget whose next
-    candidate does not. This assumes memory grows with ``m``; XLA may choose
-    other algorithms at tiny sizes (a matrix-vector product at ``m = 1``), so
-    the plan reports both estimates, and if the smallest candidate does not
-    fit, the second smallest is tried before giving up.
+    candidate does not. An optimizer state kept in host memory (`offload`;
+    arrays or ``ShapeDtypeStruct`` s whose sharding names the memory kind) is
+    left out of those bytes: by the analysis's host split where the backend
+    reports one, otherwise by the state's own bytes, and the plan says which
+    (``offloaded_bytes``, ``memory_note``). This assumes memory grows with
+    ``m``; XLA may choose other algorithms at tiny sizes (a matrix-vector
+    product at ``m = 1``), so the plan reports both estimates, and if the
+    smallest candidate does not fit, the second smallest is tried before
+    giving up.
 
     The number of micro-batches is ``k = ceil(target_batch_size / m)``. With
     ``divisors_only`` (the default), the candidates divide the target, so the
@@ -244,7 +254,8 @@ def plan_fused_step(
     candidate micro-batch size ``m`` (the divisors of the target that are
     multiples of ``multiple_of``, at most ``max_microbatch_size``) at
     ``k = target_batch_size // m``, and `compiled_memory_bytes` of each is
-    compared with the budget, in a binary search as in `plan_microbatch`.
+    compared with the budget, in a binary search as in `plan_microbatch`
+    (which also says how an offloaded state is left out).
 
     Args:
       make_step: ``k -> step``; a ``jax.jit``-wrapped step is lowered with its
@@ -351,6 +362,8 @@ def _plan(
         next_microbatch_size=next_m,
         next_memory_bytes=None if next_m is None else estimate(next_m),
         num_compilations=len(estimate.memory),
+        offloaded_bytes=estimate.host_state,
+        memory_note=estimate.note,
     )
 
 
@@ -360,19 +373,11 @@ class _Estimates:
     def __init__(self, step_at, rows_at, params, opt_state, example):
         self.step_at, self.rows_at = step_at, rows_at
         # Arrays keep their sharding, so a sharded state is planned per device.
-        self.abstract = jax.tree.map(
-            lambda x: (
-                x
-                if isinstance(x, jax.ShapeDtypeStruct)
-                else jax.ShapeDtypeStruct(
-                    np.shape(x),
-                    jax.dtypes.result_type(x),
-                    sharding=getattr(x, "sharding", None),
-                )
-            ),
-            (params, opt_state),
-        )
+        # So does a state kept in host memory (`offload`).
+        self.abstract = jax.tree.map(_offload.abstract, (params, opt_state))
         self.with_state = opt_state is not None
+        self.host_state = _offload.offloaded_bytes(self.abstract[1])
+        self.note = ""
         self.example = example
         self.memory: dict[int, int] = {}
 
@@ -388,7 +393,8 @@ class _Estimates:
             params, opt_state = self.abstract
             args = (params, opt_state, batch) if self.with_state else (params, batch)
             compiled = self.step_at(m).lower(*args).compile()
-            self.memory[m] = compiled_memory_bytes(compiled)
+            compiled_memory_bytes(compiled)  # raises without a memory analysis
+            self.memory[m], self.note = _offload.device_bytes(compiled)
         return self.memory[m]
 
 

@@ -364,7 +364,8 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
     ``jax.set_mesh``) or puts them on one device (without it). Pass these to
     ``out_shardings`` (or to Orbax's restore as the target shardings): every
     subtree of the state with the parameters' structure and shapes gets the
-    parameters' shardings, every other leaf is replicated. This is what optax
+    parameters' shardings, every other leaf is replicated, and a state kept
+    in host memory (`offload`) has that memory kind. This is what optax
     asks users to do by hand with ``optax.tree_map_params``.
 
     Args:
@@ -398,7 +399,13 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
         )
     replicated = NamedSharding(meshes[0], P())
     p_shapes = [(jnp.shape(x), jnp.result_type(x.dtype)) for x in p_leaves]
-    state = jax.eval_shape(tx.init, params)
+    closed, state = jax.make_jaxpr(tx.init, return_shape=True)(params)
+    # A state kept off the device (`offload`) keeps its memory kind, so that
+    # `out_shardings` built from these name every output's memory.
+    host = jax.memory.Space.Host
+    kinds = [
+        "pinned_host" if a.memory_space == host else "device" for a in closed.out_avals
+    ]
 
     def like_params(node: Any) -> bool:
         leaves, treedef = jax.tree.flatten(node)
@@ -413,4 +420,12 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
             return jax.tree.unflatten(p_def, p_shardings)
         return jax.tree.map(lambda _: replicated, node)
 
-    return jax.tree.map(assign, state, is_leaf=like_params)
+    shardings = jax.tree.map(assign, state, is_leaf=like_params)
+    leaves, treedef = jax.tree.flatten(shardings)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            s if k == "device" else s.with_memory_kind(k)
+            for s, k in zip(leaves, kinds, strict=True)
+        ],
+    )

@@ -15,11 +15,20 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
     """XLA's memory analysis of one compiled call, in bytes.
 
     ``peak`` is `optax_accum.compiled_memory_bytes` (argument + output -
-    alias + temp); the others are ``memory_analysis()``'s fields.
+    alias + temp, device memory only); ``host`` is what the analysis puts in
+    host memory itself (0 on the CPU, which reports no split); the others are
+    ``memory_analysis()``'s fields.
     """
     stats = compiled.memory_analysis()
+    host = (
+        stats.host_argument_size_in_bytes
+        + stats.host_output_size_in_bytes
+        - stats.host_alias_size_in_bytes
+        + stats.host_temp_size_in_bytes
+    )
     return {
         "peak": optax_accum.compiled_memory_bytes(compiled),
+        "host": int(host),
         "temp": int(stats.temp_size_in_bytes),
         "argument": int(stats.argument_size_in_bytes),
         "output": int(stats.output_size_in_bytes),

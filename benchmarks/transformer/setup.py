@@ -5,7 +5,8 @@
 `Bench` makes the parameters once, compiles each step once (lowered here,
 compiled in a thread pool: XLA releases the GIL), records its compiled
 memory (`harness.compiled_memory`) and times steps in interleaved rounds
-(`harness.interleaved`). Every step donates its params and optimizer state.
+(`harness.interleaved`). Every step donates its params and optimizer state
+(the params only where the state is in host memory: `Key.donated`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Bench:
                     self.log(f"not compiled (time budget): {len(todo) - len(futures)}")
                     break
                 fn, kind = step_fn(key, self.cfg)
-                lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(
+                lowered = jax.jit(fn, donate_argnums=key.donated).lower(
                     self.params, self.state(kind), self.inputs(key)[0]
                 )
                 futures[pool.submit(_compile, lowered)] = (key, kind)

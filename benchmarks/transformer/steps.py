@@ -6,6 +6,8 @@
 step), ``scan`` (the same step written by hand with ``lax.scan``),
 ``accumulate`` and ``multisteps`` (``optax.MultiSteps``; k calls each). Every
 step is ``step(params, opt_state, batch) -> (params, opt_state)``, AdamW.
+``microbatch+offload`` and ``accumulate+offload`` keep AdamW's state in host
+memory between updates (`optax_accum.offload`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import optax_accum
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+OFFLOAD = "+offload"
 
 
 def _load_gpt():
@@ -53,7 +56,15 @@ class Key(NamedTuple):
     @property
     def per_micro(self) -> bool:
         """Whether an update is k calls of one micro-batch each."""
-        return self.mode in ("accumulate", "multisteps")
+        return self.mode.removesuffix(OFFLOAD) in ("accumulate", "multisteps")
+
+    @property
+    def donated(self) -> tuple[int, ...]:
+        """The arguments the step donates: the params and the optimizer state,
+        or, with the state in host memory, the params only (on one device JAX
+        0.10 leaves the pairing of donated buffers to XLA, which can give a
+        host buffer to a device output)."""
+        return (0,) if self.mode.endswith(OFFLOAD) else (0, 1)
 
     @property
     def rows(self) -> int:
@@ -65,13 +76,18 @@ def tx() -> optax.GradientTransformation:
     return optax.adamw(3e-4, weight_decay=0.1)
 
 
+def _inner(kind: str) -> optax.GradientTransformation:
+    return optax_accum.offload(tx()) if kind.endswith(OFFLOAD) else tx()
+
+
 def init_state(kind: str, params: Any) -> Any:
     """The optimizer state of a kind of step (``adamw``, ``accumulate``...)."""
-    if kind == "accumulate":
-        return optax_accum.accumulate(tx(), 2).init(params)
-    if kind == "multisteps":
-        return optax.MultiSteps(tx(), 2).init(params)
-    return tx().init(params)
+    base, inner = kind.removesuffix(OFFLOAD), _inner(kind)
+    if base == "accumulate":
+        return optax_accum.accumulate(inner, 2).init(params)
+    if base == "multisteps":
+        return optax.MultiSteps(inner, 2).init(params)
+    return inner.init(params)
 
 
 def _hand_scan(vg: Callable, apply: Callable, k: int) -> Callable:
@@ -109,21 +125,24 @@ def step_fn(key: Key, cfg: Any) -> tuple[Callable[..., Any], str]:
     """``(step(params, opt_state, batch) -> (params, opt_state), state kind)``."""
     loss = gpt.make_loss(cfg.replace(remat=key.remat, dtype=DTYPES[key.dtype]))
     vg = jax.value_and_grad(loss)
-    adamw, k = tx(), key.k
+    offload = key.mode.endswith(OFFLOAD)
+    adamw, k, suffix = _inner(key.mode), key.k, OFFLOAD if offload else ""
 
     def apply(params, opt_state, grads):
         updates, opt_state = adamw.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    if key.mode == "microbatch" + suffix:
+        fused = optax_accum.microbatch(vg, k, weight_fn=gpt.token_count)
+        step = lambda p, s, b: apply(p, s, fused(p, b)[1])
+        return step, "adamw" + suffix
+    if key.mode == "accumulate" + suffix:
+        acc = optax_accum.accumulate(adamw, k)
+        return _k_call_step(loss, acc, True), "accumulate" + suffix
     if key.mode == "full":
         return (lambda p, s, b: apply(p, s, vg(p, b)[1])), "adamw"
-    if key.mode == "microbatch":
-        fused = optax_accum.microbatch(vg, k, weight_fn=gpt.token_count)
-        return (lambda p, s, b: apply(p, s, fused(p, b)[1])), "adamw"
     if key.mode == "scan":
         return _hand_scan(vg, apply, k), "adamw"
-    if key.mode == "accumulate":
-        return _k_call_step(loss, optax_accum.accumulate(adamw, k), True), "accumulate"
     if key.mode == "multisteps":
         return _k_call_step(loss, optax.MultiSteps(adamw, k), False), "multisteps"
     raise ValueError(f"unknown mode {key.mode!r}")

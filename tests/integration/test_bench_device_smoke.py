@@ -23,7 +23,14 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_PY = ROOT / "benchmarks" / "run.py"
-SECTIONS = ["accumulate", "microbatch", "memory_map", "time_per_token", "overhead"]
+SECTIONS = [
+    "accumulate",
+    "microbatch",
+    "memory_map",
+    "time_per_token",
+    "overhead",
+    "offload",
+]
 # Per section: what every row must have, not None.
 REQUIRED = {
     "accumulate": ["time_per_update_s", "time_vs_optax_multisteps"],
@@ -37,6 +44,12 @@ REQUIRED = {
         "compiled_peak_bytes",
     ],
     "overhead": ["seconds_per_update", "us_per_token", "time_vs_plain"],
+    "offload": [
+        "device_bytes",
+        "device_bytes_offload",
+        "saved_bytes_per_param",
+        "time_vs_no_offload",
+    ],
 }
 
 
@@ -113,6 +126,20 @@ def test_device_smoke_writes_every_row(tmp_path):
         oh["batch"] * oh["model"]["config"]["seq_len"]
     }
     assert "] memory_map: ok in" in proc.stdout  # timestamped progress
+    _check_offload(by["offload"], cfg["offload"]["args"], md)
+
+
+def _check_offload(data: dict, args: dict, md: str) -> None:
+    """Both forms at each k; on the CPU the note says memory is shared."""
+    rows = data["rows"]
+    assert [(r["form"], r["k"]) for r in rows] == [
+        (form, k) for form in ("microbatch", "accumulate") for k in args["ks"]
+    ]
+    assert data["host_split"] is False
+    assert "host and device share memory there" in md
+    for r in rows:  # AdamW's mu and nu (8 bytes per parameter) leave the device
+        assert r["device_bytes_offload"] < r["device_bytes"]
+        assert r["saved_bytes_per_param"] >= 8 - 0.5, r
 
 
 def test_device_run_stops_when_the_budget_is_spent(tmp_path):
