@@ -27,6 +27,10 @@ def value_and_grad(
     stage_axis: str = "stage",
     weight_fn: WeightFn | None = None,
     has_aux: bool = False,
+    reduction: str = "mean",
+    accumulator_dtype: Any = "promote",
+    data_axes: str | tuple[str, ...] | None = None,
+    aux_rows: Any = None,
 ) -> Callable[..., Any]:
     """The loss and gradients of a model split into pipeline stages.
 
@@ -107,6 +111,10 @@ def value_and_grad(
         stage_axis,
         weight_fn,
         has_aux,
+        reduction,
+        accumulator_dtype,
+        data_axes,
+        aux_rows,
     )
     pipe = _checks.options(pipe)
 
