@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _dtypes, _sharding
 from . import _1f1b, _aux, _checks, _gpipe
 from . import _schedule as sched
-from ._step import Local, Pipeline, call_loss, call_stage, scales, shard_key, widen
+from ._step import Local, Pipeline, call_loss, call_stage, scales, shard_index, widen
 
 RUNNERS = {"gpipe": _gpipe, "circular": _gpipe, "1f1b": _1f1b}
 
@@ -145,7 +145,7 @@ def _body(pipe, table, shapes, data_axes, params, views, key):
     loss_dtype = jnp.promote_types(loss.dtype, jnp.float32)
     ctx = Local(
         pipe, lax.axis_index(pipe.stage_axis), stages, views, mult, w > 0,
-        shard_key(key, data_axes), h, aux, axes, dtypes, loss_dtype,
+        key, shard_index(data_axes), h, aux, axes, dtypes, loss_dtype,
     )  # fmt: skip
     runner = RUNNERS[pipe.schedule]
     total, (gf, gs, gl), auxs = runner.run(ctx, wide, table)

@@ -72,7 +72,8 @@ class Local(NamedTuple):
     views: Any  # the local batch as (rows, M, ...): micro-batch m is column m
     scales: jax.Array  # (M,) each micro-batch's multiplier of its loss
     keep: jax.Array  # (M,) bool: the micro-batch's admitted weight is > 0
-    key: jax.Array | None  # this data shard's key (see `shard_key`)
+    key: jax.Array | None  # ``rng``
+    shard: jax.Array | None  # this device's data shard (see `fold`)
     h: jax.ShapeDtypeStruct  # the local stage input
     aux: Any  # loss_fn's aux, as ShapeDtypeStructs (None without has_aux)
     axes: tuple[str, ...]  # the manual axes: the stage axis and the data axes
@@ -109,28 +110,34 @@ def microbatch(views: Any, m: jax.Array) -> Any:
     return jax.tree.map(lambda v: lax.dynamic_index_in_dim(v, m, 1, False), views)
 
 
-def fold(key: jax.Array, m: Any, j: Any) -> jax.Array:
-    """The key of micro-batch ``m`` at stage ``j`` (``S·r``: the loss)."""
-    return jax.random.fold_in(jax.random.fold_in(key, m), j)
+def fold(key: jax.Array, m: Any, j: Any, d: Any = None) -> jax.Array:
+    """The key of micro-batch ``m`` at stage ``j`` (``S·r``: the loss):
+    ``fold_in(fold_in(rng, m), j)``; on data shard ``d`` (the flat index over
+    ``data_axes``) ``fold_in(fold_in(fold_in(rng, m), d), j)``, that is the
+    key `microbatch` gives micro-batch ``m`` on device ``d``, folded with
+    the stage."""
+    key = jax.random.fold_in(key, m)
+    if d is not None:
+        key = jax.random.fold_in(key, d)
+    return jax.random.fold_in(key, j)
 
 
-def shard_key(key: Any, data_axes: tuple[str, ...]) -> Any:
-    """The key of this data shard: ``fold_in(rng, d)`` on data device ``d``
-    (the flat index over ``data_axes``); ``rng`` itself without data axes."""
-    if key is None or not data_axes:
-        return key
-    return jax.random.fold_in(key, lax.axis_index(data_axes))
+def shard_index(data_axes: tuple[str, ...]) -> Any:
+    """This device's data shard (None without data axes)."""
+    return lax.axis_index(data_axes) if data_axes else None
 
 
-def call_stage(pipe: Pipeline, sp: Any, x: jax.Array, key: Any, m: Any, j: Any):
+def call_stage(pipe: Pipeline, sp: Any, x: jax.Array, key: Any, m: Any, j: Any, d=None):
     if key is None:
         return pipe.stage_fn(sp, x)
-    return pipe.stage_fn(sp, x, fold(key, m, j))
+    return pipe.stage_fn(sp, x, fold(key, m, j, d))
 
 
-def call_loss(pipe: Pipeline, lp: Any, y: jax.Array, mb: Any, key: Any, m: Any, j: Any):
+def call_loss(
+    pipe: Pipeline, lp: Any, y: jax.Array, mb: Any, key: Any, m: Any, j: Any, d=None
+):
     """``(loss, aux)`` of one micro-batch (aux None without ``has_aux``)."""
-    args = (lp, y, mb) if key is None else (lp, y, mb, fold(key, m, j))
+    args = (lp, y, mb) if key is None else (lp, y, mb, fold(key, m, j, d))
     out = pipe.loss_fn(*args)
     return out if pipe.has_aux else (out, None)
 
@@ -246,7 +253,8 @@ def forward(
         return vary(pipe.first_fn(fp, mb).astype(x_in.dtype))
 
     def stage(sp, x):
-        return vary(call_stage(pipe, sp, x, ctx.key, m, r * ctx.num_stages + ctx.stage))
+        j = r * ctx.num_stages + ctx.stage
+        return vary(call_stage(pipe, sp, x, ctx.key, m, j, ctx.shard))
 
     x = lax.cond(is_first, embed, lambda fp, mb, x_in: x_in, fp, mb, x_in)
     y = lax.cond(run, stage, lambda sp, x: fill(ctx.h, ctx.axes), sp, x)
@@ -254,7 +262,7 @@ def forward(
         return y, no_loss(ctx), zeros(ctx.aux, ctx.axes)
 
     def head(lp, y, mb, scale):
-        loss, aux = call_loss(pipe, lp, y, mb, ctx.key, m, last)
+        loss, aux = call_loss(pipe, lp, y, mb, ctx.key, m, last, ctx.shard)
         loss = jnp.asarray(loss).astype(ctx.loss_dtype) * scale.astype(ctx.loss_dtype)
         return vary(loss), jax.tree.map(vary, aux)
 

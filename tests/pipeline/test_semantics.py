@@ -192,27 +192,38 @@ def test_placed_stage_parameters_keep_their_sharding():
 
 
 def shard_reference(params, batch, key, m, data):
-    """Data shard d (rows d·B/D ...) runs the per-micro-batch reference with
-    ``fold_in(key, d)``; loss and aux are the mean over shards."""
+    """Data shard ``d`` holds rows ``d·B/D ...``; its micro-batch ``i`` at
+    stage ``j`` draws with ``fold_in(fold_in(fold_in(key, i), d), j)`` (the
+    key `microbatch` gives micro-batch ``i`` on device ``d``, folded with the
+    stage); loss and aux are the mean over shards and micro-batches."""
     from tests.pipeline import test_exact as tx
 
+    fp, sp, lp = params
+    stages = sp["w"].shape[0]
     rows = batch["x"].shape[0] // data
-    outs = [
-        tx.per_microbatch_reference(
-            params,
-            jax.tree.map(lambda v, d=d: v[d * rows : (d + 1) * rows], batch),
-            jax.random.fold_in(key, d),
-            m,
-        )
-        for d in range(data)
-    ]
-    return jax.tree.map(lambda *a: sum(a) / data, *outs)
+    fold = lambda i, d, j: jax.random.fold_in(
+        jax.random.fold_in(jax.random.fold_in(key, i), d), j
+    )
+    losses, auxs = [], []
+    for d in range(data):
+        part = jax.tree.map(lambda v, d=d: v[d * rows : (d + 1) * rows], batch)
+        for i in range(m):
+            mb = jax.tree.map(lambda v, i=i: v[i::m], part)
+            h = md.first_fn(fp, mb)
+            for j in range(stages):
+                h = tx.dropout_stage(md.stage(sp, j), h, fold(i, d, j))
+            loss, aux = tx.noisy_loss(lp, h, mb, fold(i, d, stages))
+            losses.append(loss)
+            auxs.append(aux)
+    n = data * m
+    per_mb = [jax.tree.map(lambda *a: sum(a) / data, *auxs[i::m]) for i in range(m)]
+    return sum(losses) / n, jax.tree.map(lambda *a: jnp.stack(a), *per_mb)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_rng_per_data_shard_and_aux(schedule):
     """Issue 28 (7): every data shard drew the same key, and ``has_aux`` with
-    data shards was refused. Shard ``d`` now uses ``fold_in(rng, d)``; aux
+    data shards was refused. Shard ``d`` now folds its index in; aux
     statistics average over the shards, as `microbatch`'s ``aux_rows``."""
     from tests.pipeline import test_exact as tx
 
