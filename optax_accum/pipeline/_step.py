@@ -183,8 +183,8 @@ def narrow(params: Any, dtypes: Any) -> Any:
 
 
 def scales(pipe: Pipeline, views: Any, data_axes: tuple, dtype: Any):
-    """``(multipliers, keep)``: each local micro-batch's multiplier of its
-    loss, and whether its admitted weight is > 0.
+    """``(multipliers, weights)``: each local micro-batch's multiplier of its
+    loss, and its admitted weight (1 without ``weight_fn``).
 
     Weights follow `_weights` (NaN, infinite and negative weights are
     rejected: they weigh 0, as in `microbatch`), and the multipliers
@@ -213,7 +213,7 @@ def scales(pipe: Pipeline, views: Any, data_axes: tuple, dtype: Any):
     here = multipliers[lax.axis_index(data_axes)] if data_axes else multipliers[0]
     parts = 1 if pipe.weight_fn is not None else devices
     divisor = pipe.reduction.loop_divisor(m * devices, parts)
-    return here / jnp.asarray(divisor, dtype), w > 0
+    return here / jnp.asarray(divisor, dtype), w
 
 
 def stage_params(sp: Any, r: jax.Array) -> Any:
@@ -256,8 +256,23 @@ def forward(
         j = r * ctx.num_stages + ctx.stage
         return vary(call_stage(pipe, sp, x, ctx.key, m, j, ctx.shard))
 
-    x = lax.cond(is_first, embed, lambda fp, mb, x_in: x_in, fp, mb, x_in)
-    y = lax.cond(run, stage, lambda sp, x: fill(ctx.h, ctx.axes), sp, x)
+    # A micro-batch of weight 0 still gives its aux, as on the other faces:
+    # with has_aux its slots run on frozen (stop_gradient) inputs, which no
+    # gradient reaches; without, they are idle.
+    frozen = active & ~run if pipe.has_aux else jnp.bool_(False)
+    freeze = lambda f: lambda *a: f(*lax.stop_gradient(a))
+    x = lax.cond(
+        (is_first | (frozen & (ctx.stage == 0) & (r == 0))),
+        lambda fp, mb, x_in: lax.cond(run, embed, freeze(embed), fp, mb, x_in),
+        lambda fp, mb, x_in: x_in,
+        fp, mb, x_in,
+    )  # fmt: skip
+    idle = lambda sp, x: fill(ctx.h, ctx.axes)
+    if pipe.has_aux:
+        which = jnp.where(run, 2, jnp.where(frozen, 1, 0))
+        y = lax.switch(which, [idle, freeze(stage), stage], sp, x)
+    else:
+        y = lax.cond(run, stage, idle, sp, x)
     if not with_loss:
         return y, no_loss(ctx), zeros(ctx.aux, ctx.axes)
 
@@ -266,8 +281,15 @@ def forward(
         loss = jnp.asarray(loss).astype(ctx.loss_dtype) * scale.astype(ctx.loss_dtype)
         return vary(loss), jax.tree.map(vary, aux)
 
+    def aux_only(lp, y, mb, scale):
+        _, aux = freeze(head)(lp, y, mb, scale)
+        return no_loss(ctx), aux
+
     def skip(lp, y, mb, scale):
         return no_loss(ctx), zeros(ctx.aux, ctx.axes)
 
-    loss, aux = lax.cond(is_last, head, skip, lp, y, mb, ctx.scales[m])
+    at_last = (ctx.stage == ctx.num_stages - 1) & (r == pipe.repeats - 1)
+    which = jnp.where(is_last, 2, jnp.where(frozen & at_last, 1, 0))
+    args = (lp, y, mb, ctx.scales[m])
+    loss, aux = lax.switch(which, [skip, aux_only, head], *args)
     return y, loss, aux

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .cells import LOOP_FACES, STREAM_FACES, Cell
+from .cells import LOOP_FACES, PIPELINE_FACES, STREAM_FACES, Cell
 
 
 class Rule(NamedTuple):
@@ -45,8 +45,25 @@ NOT_APPLICABLE = (
     _rule(
         (),
         "the value-and-grad face only",
-        face=("loss", "nnx", "linen"),
+        face=("loss", "nnx", "linen", *PIPELINE_FACES),
         option=("clip",),
+    ),
+    _rule(
+        (),
+        "the pipeline runs its own shard_map over the stage axis: one device's "
+        "view (the stages only) or data_axes",
+        face=PIPELINE_FACES,
+        mode=("global", "axis_name", "pmap"),
+    ),
+    _rule((), "no noise scale on the pipeline", face=PIPELINE_FACES, option=("noise",)),
+    # Open: XLA's CPU compiler aborts the process ("Invalid binary instruction
+    # opcode copy") on the oracle's bf16 program with bf16 gradient sums.
+    _rule(
+        (),
+        "not driven by the oracle: XLA CPU aborts on it",
+        face=PIPELINE_FACES,
+        dtype=("bf16",),
+        acc=("none",),
     ),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), int_param=(True,)),
@@ -146,6 +163,27 @@ REFUSED = (
         "floating parameters",
         face=("loss",),
         int_param=(True,),
+    ),
+    _rule(
+        ("`params`",),
+        "the pipeline differentiates every parameter leaf",
+        "floating parameters",
+        face=PIPELINE_FACES,
+        option=("float0",),
+    ),
+    _rule(
+        ("`params`",),
+        "the pipeline differentiates every parameter leaf",
+        "floating parameters",
+        face=PIPELINE_FACES,
+        int_param=(True,),
+    ),
+    _rule(
+        ("`num_microbatches`", "multiple"),
+        "circular needs M a multiple of S",
+        "k a multiple of S",
+        face=("pipe-circular",),
+        k=(1, 3),
     ),
     _rule(
         ("weight",),
