@@ -54,14 +54,24 @@ def masked(rows, m, padding):
     return params, {**batch, "mask": jnp.asarray(mask)}
 
 
+def token_mean_loss(lp, h, batch):
+    """The guide's token mean, ``sum(nll * mask) / sum(mask)``: 0/0 = NaN on
+    a micro-batch of padding only."""
+    err = jnp.sum((h @ lp["w"] - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+
 @pytest.mark.parametrize("schedule,repeats", SCHEDULES)
 def test_padding_microbatch_weighs_nothing(schedule, repeats):
-    """Issue 28 (1): a padding-only micro-batch gave NaN; now the full batch."""
-    params, batch = masked(16, 4, padding=1)
+    """Issue 28 (1): a padding-only micro-batch gave a NaN loss and NaN
+    gradients; it weighs 0 and the result is the full batch's."""
     params = md.make(4 * repeats, rows=16)[0]
-    want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
-    got = run(mesh_of(), params, batch, 4, schedule=schedule, repeats=repeats,
-              weight_fn=md.weight_fn)  # fmt: skip
+    _, batch = masked(16, 4, padding=1)
+    seq = lambda p, b: md.sequential(p, b, loss_fn=token_mean_loss)
+    want = jax.jit(jax.value_and_grad(seq))(params, batch)
+    fns = (md.first_fn, md.stage_fn, token_mean_loss)
+    got = run(mesh_of(), params, batch, 4, fns=fns, schedule=schedule,
+              repeats=repeats, weight_fn=md.weight_fn)  # fmt: skip
     md.assert_close(got, want, rtol=1e-5)
 
 
@@ -96,7 +106,7 @@ def test_explicit_data_shard_without_tokens():
 
 
 def sqrt_stage(sp, h):
-    return jnp.sqrt(h * h + jnp.abs(h @ sp["w"] + sp["b"]))
+    return h + jnp.sqrt(jnp.abs(h @ sp["w"]))
 
 
 def log_stage(sp, h):
@@ -104,7 +114,7 @@ def log_stage(sp, h):
 
 
 def l2_stage(sp, h):
-    y = h + jnp.tanh(h @ sp["w"] + sp["b"])
+    y = h + jnp.tanh(h @ sp["w"])
     return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
 
 
@@ -127,10 +137,10 @@ def test_bubbles_compute_nothing(stage_fn, schedule, repeats, monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bf16_gradients_sum_in_float32(schedule):
-    """Issue 28 (3): bf16 parameters at M = 256: main summed in bf16 (relative
-    error 0.1 and more); summed in float32, the error is the one of bf16
-    compute, as the loss face's."""
-    m = 256
+    """Issue 28 (3): bf16 parameters at M = 1024: main summed in bf16
+    (relative gradient error 0.13 for GPipe, 0.14 for 1F1B); summed in
+    float32 it is 0.0037, the error of bf16 compute, as the loss face's."""
+    m = 1024
     params, batch = md.make(4, rows=m)
     bf = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)[1]
@@ -139,9 +149,9 @@ def test_bf16_gradients_sum_in_float32(schedule):
         lambda g: g.dtype, bf
     )
     assert got[0].dtype == jnp.float32  # the loss in its own dtype
-    assert md.max_rel_error(got[1], want) < 0.03
+    assert md.max_rel_error(got[1], want) < 0.01
     face = loop_face(bf, batch, m)[1]
-    assert md.max_rel_error(got[1], face) < 0.03
+    assert md.max_rel_error(got[1], face) < 0.01
 
 
 @pytest.mark.parametrize("schedule,repeats", SCHEDULES)
