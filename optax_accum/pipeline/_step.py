@@ -20,7 +20,10 @@ the ``shard_map`` on every device of the stage axis. Its contract:
 - the loss a runner returns is the sum of `forward`'s losses, already scaled
   by each micro-batch's share (`scales`: `_weights` and `_reduction`, as
   the other faces), in ``ctx.loss_dtype`` (`no_loss` starts it);
-- messages and buffers start as `fill`; the tick's aux comes from `forward`.
+- messages and buffers start as `fill`; the tick's aux comes from `forward`,
+  and the module names ``LOSS_OP``, the `Op` of the table cell in which its
+  last stage computes a micro-batch's loss (`_aux` reads the aux there);
+- `_run.RUNNERS` maps the schedule's name to the module.
 
 What the runner owns is only the order of the slots and the messages
 between devices (``ppermute`` once per direction per tick).

@@ -315,3 +315,28 @@ def test_data_axes_declared_not_guessed():
         md.assert_close(run(mesh, params, batch, 4), want, rtol=1e-5)
     with pytest.raises(ValueError, match=r"`data_axes`=.*not axes"):
         run(mesh, params, batch, 4, data_axes="batch")
+
+
+def aux_token_mean_loss(lp, h, batch):
+    return token_mean_loss(lp, h, batch), {"tokens": jnp.sum(batch["mask"])}
+
+
+@pytest.mark.parametrize("schedule,repeats", sweep(SCHEDULES, fast=[("1f1b", 1)]))
+def test_padding_microbatch_still_gives_its_aux(schedule, repeats, monkeypatch):
+    """With ``has_aux`` a weight-0 micro-batch's slots run on frozen inputs:
+    its aux comes back (as on the other faces), and nothing of it reaches the
+    loss or a gradient, with NaN in the bubbles and a stage whose slope is
+    infinite at 0."""
+    monkeypatch.setattr(_step, "BUBBLE_FILL", float("nan"))
+    params = md.make(4 * repeats, rows=16)[0]
+    _, batch = masked(16, 4, padding=1)
+    seq = lambda p, b: md.sequential(p, b, stage_fn=sqrt_stage, loss_fn=token_mean_loss)
+    want = jax.jit(jax.value_and_grad(seq))(params, batch)
+    fns = (md.first_fn, sqrt_stage, aux_token_mean_loss)
+    (value, aux), grads = run(mesh_of(), params, batch, 4, fns=fns,
+                              schedule=schedule, repeats=repeats, has_aux=True,
+                              weight_fn=md.weight_fn)  # fmt: skip
+    md.assert_close((value, grads), want, rtol=1e-4)
+    counts = [float(jnp.sum(batch["mask"][i::4])) for i in range(4)]
+    np.testing.assert_allclose(aux["tokens"], counts)
+    assert counts[1] == 0.0
