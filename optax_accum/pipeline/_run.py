@@ -81,6 +81,18 @@ def _like(grads: Any, params: Any) -> Any:
     return jax.tree.map(like, grads, params)
 
 
+def _manual_axes(pipe: Pipeline, data_axes: tuple, mesh: Any) -> set[str]:
+    """The ``shard_map``'s manual axes: the stage and data axes, and on an
+    Explicit mesh every other axis too. There the inputs are placed
+    replicated over those (`_place`), so the result is the same; and XLA's
+    CPU compiler aborts on bf16 gradient sums in a partly manual loop
+    ("Invalid binary instruction opcode copy"). An Auto mesh keeps its other
+    axes automatic, for the compiler to shard over."""
+    if AxisType.Explicit in tuple(mesh.axis_types):
+        return set(mesh.axis_names)
+    return {pipe.stage_axis, *data_axes}
+
+
 def _views(batch: Any, m: int) -> Any:
     def view(x):
         x = _sharding.splittable(x, m)
@@ -184,7 +196,7 @@ def call(pipe: Pipeline, params: Any, batch: Any, rng: Any = None):
         body,
         in_specs=((P(), stage_spec, P()), rows, P()),
         out_specs=(P(), (P(), stage_spec, P()), aux_specs),
-        axis_names={pipe.stage_axis, *data_axes},
+        axis_names=_manual_axes(pipe, data_axes, mesh),
     )
     laid = (_place(fp, P()), _place(_layout(sp, stages, pipe.repeats), stage_spec))
     loss, (gf, gs, gl), auxs = run((*laid, _place(lp, P())), _place(views, rows), rng)

@@ -308,7 +308,7 @@ EXPLICIT = (
     ),
     _c("pipe-1f1b", "data_axes", "mean", "nan", 2, "f32", "promote", "none"),
     _c("pipe-gpipe", "single", "mean", "none", 8, "bf16", "promote", "none"),
-    _c("pipe-1f1b", "single", "mean", "counts", 8, "bf16", "f32", "none"),
+    _c("pipe-1f1b", "single", "mean", "counts", 8, "bf16", "none", "none"),
     _c("pipe-circular", "single", "mean", "counts", 2, "f64", "promote", "none"),
     _c("pipe-1f1b", "data_axes", "mean", "none", 2, "f32", "promote", "rng"),
     _c("pipe-gpipe", "data_axes", "mean", "counts", 2, "f32", "promote", "has_aux"),

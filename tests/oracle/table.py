@@ -56,15 +56,6 @@ NOT_APPLICABLE = (
         mode=("global", "axis_name", "pmap"),
     ),
     _rule((), "no noise scale on the pipeline", face=PIPELINE_FACES, option=("noise",)),
-    # Open: XLA's CPU compiler aborts the process ("Invalid binary instruction
-    # opcode copy") on the oracle's bf16 program with bf16 gradient sums.
-    _rule(
-        (),
-        "not driven by the oracle: XLA CPU aborts on it",
-        face=PIPELINE_FACES,
-        dtype=("bf16",),
-        acc=("none",),
-    ),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), int_param=(True,)),
     _rule((), "nnx keys come from nnx.Rngs", face=("nnx",), option=("rng",)),

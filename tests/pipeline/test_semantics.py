@@ -340,3 +340,17 @@ def test_padding_microbatch_still_gives_its_aux(schedule, repeats, monkeypatch):
     counts = [float(jnp.sum(batch["mask"][i::4])) for i in range(4)]
     np.testing.assert_allclose(aux["tokens"], counts)
     assert counts[1] == 0.0
+
+
+@pytest.mark.slow
+def test_bf16_sums_on_a_mesh_with_other_axes():
+    """bf16 gradient sums (``accumulator_dtype=None``) on a mesh with an axis
+    besides the stage axis: XLA's CPU compiler aborted the process on main
+    ("Invalid binary instruction opcode copy") in the partly manual loop."""
+    mesh = mesh_of(data=2)
+    params, batch = md.make(4, rows=16)
+    bf = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
+    want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
+    got = run(mesh, bf, batch, 4, accumulator_dtype=None)
+    assert got[1][1]["w"].dtype == jnp.bfloat16
+    assert md.max_rel_error(got[1], want[1]) < 0.05
