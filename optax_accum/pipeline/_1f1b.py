@@ -20,7 +20,10 @@ import numpy as np
 from jax import lax
 
 from . import _schedule as sched
-from ._step import Cells, Local, fill, forward, ring, zeros
+from ._step import Cells, Local, fill, forward, no_grads, no_loss, ring, zeros
+
+# The op of the slot where the last stage computes a micro-batch's loss.
+LOSS_OP = sched.BACKWARD
 
 
 def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
@@ -46,13 +49,11 @@ def _store(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 def _branches(ctx: Local):
     """The idle, forward and backward ops, one signature for `lax.switch`."""
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
 
     def idle(params, x_in, g_in, m):
-        grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
         return (fill(ctx.h, ctx.axes),) * 2 + (
-            grads,
-            zeros(scalar, ctx.axes),
+            no_grads(ctx, params),
+            no_loss(ctx),
             zeros(ctx.aux, ctx.axes),
         )
 
@@ -98,8 +99,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
         b_msg = lax.ppermute(gx, axis, ring(stages, -1))
         return (t + 1, xbuf, gbuf, f_msg, b_msg, grads, total + loss), aux
 
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
+    grads = no_grads(ctx, params)
     init = (
         jnp.int32(0),
         fill(buffer, ctx.axes),
@@ -107,7 +107,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
         fill(ctx.h, ctx.axes),
         fill(ctx.h, ctx.axes),
         grads,
-        zeros(scalar, ctx.axes),
+        no_loss(ctx),
     )
     (*_, grads, total), auxs = lax.scan(tick, init, length=table.num_ticks)
     gf, gs, gl = grads

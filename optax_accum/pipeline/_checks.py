@@ -1,20 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
 """`pipeline.value_and_grad`'s checks: its options, and at trace time the
-mesh, the stacked stage parameters, the batch and the stage input ``h``.
+mesh, the parameters, the batch and the shapes `_run` derived.
 
-Each error names the argument in backticks and says what would be accepted.
+This module only judges: it derives no layout and infers no shape (`_run`
+does, and hands the results here). Each error names the argument in
+backticks and says what would be accepted.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from .. import _sharding
+from .. import _checks, _dtypes, _reduction
 from . import _schedule as sched
-from ._step import Pipeline, call_stage
+from ._step import Pipeline
 
 
 def options(pipe: Pipeline) -> Pipeline:
@@ -22,17 +26,28 @@ def options(pipe: Pipeline) -> Pipeline:
     for name in ("first_fn", "stage_fn", "loss_fn"):
         if not callable(getattr(pipe, name)):
             raise TypeError(f"`{name}` must be callable, got {getattr(pipe, name)!r}.")
-    if pipe.weight_fn is not None and not callable(pipe.weight_fn):
-        raise TypeError(
-            f"`weight_fn` must be callable or None, got {pipe.weight_fn!r}."
-        )
+    _checks.callable_or_none(pipe.weight_fn, "weight_fn")
     if not isinstance(pipe.stage_axis, str):
         raise TypeError(
             f"`stage_axis` must be a mesh axis name, got {pipe.stage_axis!r}."
         )
     # The stage count is the mesh's; 1 stands in until the call.
     sched.check_schedule(pipe.schedule, 1, pipe.num_microbatches, pipe.repeats)
-    return pipe
+    data_axes = _checks.axis_names(pipe.data_axes, "data_axes")
+    if data_axes is not None and pipe.stage_axis in data_axes:
+        raise ValueError(
+            f"`data_axes`={data_axes!r} must not name `stage_axis`="
+            f"{pipe.stage_axis!r}: the stages are not data shards."
+        )
+    policy = _dtypes.canonical(pipe.accumulator_dtype)
+    return Pipeline(
+        **{
+            **pipe.__dict__,
+            "reduction": _reduction.get(pipe.reduction),
+            "accumulator_dtype": policy,
+            "data_axes": data_axes,
+        }
+    )
 
 
 def _stages(pipe: Pipeline) -> int:
@@ -45,6 +60,16 @@ def _stages(pipe: Pipeline) -> int:
             "mesh that has it."
         )
     return mesh.shape[pipe.stage_axis]
+
+
+def data_axes(pipe: Pipeline, mesh: Any) -> None:
+    """The declared ``data_axes`` are axes of the mesh."""
+    missing = [a for a in pipe.data_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"`data_axes`={pipe.data_axes!r} names {missing}, not axes of the "
+            f"current mesh (axes {tuple(mesh.axis_names)})."
+        )
 
 
 def _leading(tree: Any, name: str, size: int | None = None) -> int:
@@ -64,8 +89,33 @@ def _leading(tree: Any, name: str, size: int | None = None) -> int:
     return found.pop()
 
 
-def check_call(pipe: Pipeline, params: Any, batch: Any):
-    """``(first, stage, last params, S, data axes)`` once the call is checked."""
+def _floating(params: Any) -> None:
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if not _dtypes.is_differentiable(jnp.result_type(p)):
+            raise TypeError(
+                f"`params`{jax.tree_util.keystr(path)} is {jnp.result_type(p)}: "
+                "the pipeline differentiates every parameter leaf, so each must "
+                "be floating (or complex); keep integer state out of `params`."
+            )
+
+
+def _takes_key(pipe: Pipeline) -> None:
+    for name in ("stage_fn", "loss_fn"):
+        fn, n = getattr(pipe, name), 3 if name == "stage_fn" else 4
+        try:
+            inspect.signature(fn).bind(*range(n))
+        except TypeError:
+            raise TypeError(
+                f"with `rng`, `{name}` is called with a key as argument {n} "
+                f"(`{name}(..., key)`), but its signature {inspect.signature(fn)} "
+                "does not take it."
+            ) from None
+        except ValueError:  # no signature to read (a builtin): let it run
+            return
+
+
+def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any):
+    """``(first, stage, last params, S)`` once the call is checked."""
     if not isinstance(params, (tuple, list)) or len(params) != 3:
         raise TypeError(
             "`params` must be `(first_params, stage_params, last_params)`, got "
@@ -82,50 +132,50 @@ def check_call(pipe: Pipeline, params: Any, batch: Any):
             f"{e} (S·repeats = {stages}·{pipe.repeats}: the size of "
             f"`stage_axis`={pipe.stage_axis!r} times `repeats`)."
         ) from None
-    mesh = jax.sharding.get_abstract_mesh()
-    data_axes = tuple(
-        a
-        for a in mesh.axis_names
-        if a in _sharding.row_axes(batch) and a != pipe.stage_axis
-    )
+    _floating(params)
+    if rng is not None:
+        _takes_key(pipe)
+    _leading(batch, "batch")
+    return fp, sp, lp, stages
+
+
+def divisible(pipe: Pipeline, batch: Any, data_axes: tuple, size: int) -> None:
+    """The batch splits into M micro-batches on each of ``size`` data shards."""
     rows = _leading(batch, "batch")
-    per = pipe.num_microbatches * _sharding.mesh_size(mesh, data_axes)
-    if rows % per:
+    m = pipe.num_microbatches
+    if rows % (m * size):
+        shards = f" times the {size} data shards of {data_axes}" if data_axes else ""
         raise ValueError(
-            f"the batch size {rows} is not divisible by `num_microbatches`="
-            f"{pipe.num_microbatches}"
-            + (f" times the data axes {data_axes}' size." if data_axes else ".")
+            f"the batch size {rows} is not divisible by `num_microbatches`={m}"
+            f"{shards} (= {m * size}): pass a batch of a multiple of {m * size} "
+            "rows."
         )
-    if pipe.has_aux and data_axes:
-        raise ValueError(
-            "`has_aux=True` with a batch sharded over the data axes "
-            f"{data_axes} is not supported: aux is per micro-batch, not per shard."
-        )
-    return fp, sp, lp, stages, data_axes
 
 
-def first_microbatch(views: Any, data_axes: tuple) -> Any:
-    """One device's micro-batch, as ShapeDtypeStructs."""
-    mesh = jax.sharding.get_abstract_mesh()
-    d = _sharding.mesh_size(mesh, data_axes)
-    return jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct((v.shape[0] // d, *v.shape[2:]), v.dtype), views
-    )
-
-
-def stage_input(pipe: Pipeline, fp: Any, sp: Any, mb: Any, rng: Any):
-    """``h``, the stage input, after checking that a stage keeps it."""
-    h = jax.eval_shape(pipe.first_fn, fp, mb)
+def stage_input(h: Any) -> None:
     if not isinstance(h, jax.ShapeDtypeStruct):
         raise TypeError(f"`first_fn` must return one array, got {h}.")
-    h = jax.ShapeDtypeStruct(h.shape, h.dtype)
-    sp0 = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), sp)
-    out = jax.eval_shape(
-        lambda sp0, x, k: call_stage(pipe, sp0, x, k, 0, 0), sp0, h, rng
-    )
+
+
+def stage_output(h: jax.ShapeDtypeStruct, out: Any) -> None:
+    """A stage keeps ``h``'s shape and dtype."""
     if getattr(out, "shape", None) != h.shape or getattr(out, "dtype", None) != h.dtype:
         raise ValueError(
             "`stage_fn` must return `h` with the shape and dtype it was given "
             f"({h.shape} {h.dtype}, from `first_fn`), got {out}."
         )
-    return h
+
+
+def loss_output(loss: Any) -> None:
+    """``loss_fn``'s loss is a floating scalar."""
+    shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+    if shape != ():
+        raise ValueError(
+            f"`loss_fn` must return a scalar loss (a mean over the micro-batch's "
+            f"rows), got shape {shape}; with `has_aux`, `(loss, aux)`."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`loss_fn` must return a floating loss, got {dtype}: an integer "
+            "loss has no gradient."
+        )

@@ -17,7 +17,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _schedule as sched
-from ._step import Cells, Local, fill, forward, ring, stage_params, zeros
+from ._step import Cells, Local, fill, forward, no_loss, ring, stage_params
+
+# The op of the slot where the last stage computes a micro-batch's loss.
+LOSS_OP = sched.FORWARD
 
 
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
@@ -38,8 +41,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
             sent = lax.ppermute(y, axis, ring(stages, 1))
             return (t + 1, sent, total + loss), aux
 
-        scalar = jax.ShapeDtypeStruct((), jnp.float32)
-        init = (jnp.int32(0), fill(ctx.h, ctx.axes), zeros(scalar, ctx.axes))
+        init = (jnp.int32(0), fill(ctx.h, ctx.axes), no_loss(ctx))
         (_, _, total), auxs = lax.scan(tick, init, length=ticks)
         return total, auxs
 

@@ -24,7 +24,20 @@ from jax import lax
 
 from . import _schedule as sched
 from ._1f1b import _store
-from ._step import Cells, Local, fill, forward, ring, stage_params, zeros
+from ._step import (
+    Cells,
+    Local,
+    fill,
+    forward,
+    no_grads,
+    no_loss,
+    ring,
+    stage_params,
+    zeros,
+)
+
+# The op of the slot where the last stage computes a micro-batch's loss.
+LOSS_OP = sched.BACKWARD
 
 
 def _intervals(table: sched.ScheduleTable):
@@ -90,13 +103,12 @@ def plan(table: sched.ScheduleTable) -> tuple[tuple[np.ndarray, ...], int, int]:
 
 def _branches(ctx: Local):
     """Idle, forward and backward of one virtual stage, for `lax.switch`."""
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
     last_device = ctx.num_stages - 1
 
     def idle(params, x_in, g_in, m, r):
-        grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
+        grads = no_grads(ctx, params)
         h = fill(ctx.h, ctx.axes)
-        return h, h, grads, zeros(scalar, ctx.axes), zeros(ctx.aux, ctx.axes)
+        return h, h, grads, no_loss(ctx), zeros(ctx.aux, ctx.axes)
 
     def fwd(params, x_in, g_in, m, r):
         y, _, _ = forward(ctx, params, x_in, m, r, True, with_loss=False)
@@ -155,9 +167,8 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
         b_msg = lax.ppermute(gx, axis, ring(stages, -1))
         return (t + 1, xbuf, gbuf, f_msg, b_msg, grads, total + loss), aux
 
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
     h = fill(ctx.h, ctx.axes)
-    grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
-    init = (jnp.int32(0), buffer(nx), buffer(ng), h, h, grads, zeros(scalar, ctx.axes))
+    grads = no_grads(ctx, params)
+    init = (jnp.int32(0), buffer(nx), buffer(ng), h, h, grads, no_loss(ctx))
     (*_, grads, total), auxs = lax.scan(tick, init, length=table.num_ticks)
     return total, grads, auxs

@@ -1,34 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""The frame around a pipeline schedule: checks, layout and ``shard_map``.
+"""The frame around a pipeline schedule: layout, shapes and ``shard_map``.
 
 `call` checks the inputs against the mesh, lays the stacked stage parameters
 out so that device ``s`` holds stages ``s, s + S, ...``, splits the batch
 into micro-batches (micro-batch ``m`` is rows ``m, m+M, ...``, as in
 `microbatch`), and runs the schedule's runner in one ``shard_map`` over the
-stage axis and the axes that shard the batch's rows (the data axes). Every
-parameter is cast to varying over those axes before the loop, so that each
-device's gradient stays its own until the one ``psum`` after the loop: taken
-from an invariant input, the cotangent would be summed over the stages
-before the mask that keeps one stage's share.
+stage axis and the declared data axes (``data_axes``). Every parameter is
+widened to its accumulator dtype and cast to varying over those axes before
+the loop, so that each device's gradient stays its own, summed in that
+dtype, until the one ``psum`` after the loop: taken from an invariant input,
+the cotangent would be summed over the stages before the mask that keeps one
+stage's share. The gradients come back in the parameters' dtypes and
+shardings (replicated where a parameter was placed nowhere).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from .. import _sharding
-from . import _1f1b, _gpipe, _interleaved, _zb
+from .. import _dtypes, _sharding
+from . import _1f1b, _aux, _checks, _gpipe, _interleaved, _zb
 from . import _schedule as sched
-from ._checks import check_call, first_microbatch, stage_input
-from ._step import Local, Pipeline, call_loss
+from ._step import Local, Pipeline, call_loss, call_stage, scales, shard_index, widen
+
+RUNNERS = {
+    "gpipe": _gpipe,
+    "circular": _gpipe,
+    "1f1b": _1f1b,
+    "interleaved_1f1b": _interleaved,
+    "zb_h1": _zb,
+}
 
 
 def _layout(sp: Any, stages: int, repeats: int) -> Any:
@@ -57,30 +66,37 @@ def _unlayout(gs: Any, stages: int, repeats: int) -> Any:
 
 
 def _place(tree: Any, spec: P) -> Any:
-    """``tree``'s leaves resharded to ``spec`` where an Explicit mesh places
-    them otherwise (``shard_map`` takes its inputs as its specs say)."""
-
+    """``tree``'s leaves placed as ``spec`` says, where the mesh is Explicit
+    (``shard_map`` takes its inputs as its specs say; a leaf placed nowhere
+    is placed so)."""
     mesh = jax.sharding.get_abstract_mesh()
     if AxisType.Explicit not in tuple(mesh.axis_types):
         return tree
-
-    def place(x):
-        have = _sharding.explicit_spec(x) or P()
-        if _sharding.same_spec(have, spec, x.ndim):
-            return x
-        return jax.sharding.reshard(x, spec)
-
-    return jax.tree.map(place, tree)
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, spec), tree)
 
 
 def _like(grads: Any, params: Any) -> Any:
-    """Gradients resharded like their Explicit-mesh parameters."""
+    """Gradients in their parameters' dtypes and shardings: a parameter
+    placed nowhere gets a replicated gradient, so that `accumulate` and
+    ``optax.MultiSteps`` take it beside the others."""
 
     def like(g, p):
-        spec = _sharding.explicit_spec(p)
-        return g if spec is None else _place(g, spec)
+        g = g.astype(jnp.result_type(p))
+        return _place(g, _sharding.explicit_spec(p) or P())
 
     return jax.tree.map(like, grads, params)
+
+
+def _manual_axes(pipe: Pipeline, data_axes: tuple, mesh: Any) -> set[str]:
+    """The ``shard_map``'s manual axes: the stage and data axes, and on an
+    Explicit mesh every other axis too. There the inputs are placed
+    replicated over those (`_place`), so the result is the same; and XLA's
+    CPU compiler aborts on bf16 gradient sums in a partly manual loop
+    ("Invalid binary instruction opcode copy"). An Auto mesh keeps its other
+    axes automatic, for the compiler to shard over."""
+    if AxisType.Explicit in tuple(mesh.axis_types):
+        return set(mesh.axis_names)
+    return {pipe.stage_axis, *data_axes}
 
 
 def _views(batch: Any, m: int) -> Any:
@@ -91,90 +107,104 @@ def _views(batch: Any, m: int) -> Any:
     return jax.tree.map(view, batch)
 
 
-def _scales(pipe: Pipeline, views: Any, data_axes: tuple[str, ...]) -> jax.Array:
-    """Each micro-batch's share of the mean: ``w_m / Σ w`` over all devices."""
-    m = pipe.num_microbatches
-    if pipe.weight_fn is None:
-        w = jnp.ones((m,), jnp.float32)
-    else:
-        mbs = jax.tree.map(lambda v: jnp.moveaxis(v, 1, 0), views)
-        w = jax.vmap(lambda mb: jnp.asarray(pipe.weight_fn(mb), jnp.float32))(mbs)
-        w = lax.stop_gradient(w)
-    total = lax.psum(jnp.sum(w), data_axes) if data_axes else jnp.sum(w)
-    return jnp.where(w > 0, w / total, 0.0)
+def data_axes_of(pipe: Pipeline, batch: Any) -> tuple[str, ...]:
+    """The declared ``data_axes``; undeclared, the Explicit axes that shard
+    the batch's rows, with a DeprecationWarning (guessing goes next release)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if pipe.data_axes is not None:
+        _checks.data_axes(pipe, mesh)
+        return pipe.data_axes
+    rows = _sharding.row_axes(batch)
+    guessed = tuple(a for a in mesh.axis_names if a in rows and a != pipe.stage_axis)
+    if guessed:
+        warnings.warn(
+            f"the batch is sharded over {guessed} but `data_axes` is not given: "
+            "guessing the pipeline's data axes from the batch's sharding is "
+            f"deprecated and will be removed in the next release; pass "
+            f"`data_axes={guessed!r}` (as in `microbatch`).",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    return guessed
 
 
-def _aux_ticks(table: sched.ScheduleTable, pipe: Pipeline) -> np.ndarray:
-    """The tick at which the last stage computes each micro-batch's loss."""
-    op = {
-        "1f1b": sched.BACKWARD,
-        "interleaved_1f1b": sched.BACKWARD,
-        "zb_h1": sched.INPUT,
-    }.get(pipe.schedule, sched.FORWARD)
-    last = table.op.shape[1] - 1
-    ticks = np.zeros(pipe.num_microbatches, np.int32)
-    for t in range(table.num_ticks):
-        if table.op[t, last] == op and table.repeat[t, last] == pipe.repeats - 1:
-            ticks[table.microbatch[t, last]] = t
-    return ticks
-
-
-def _body(pipe, stages, data_axes, table, h, aux, fp, sp, lp, views, key):
-    axes = (pipe.stage_axis, *data_axes)
-    fp, sp, lp = jax.tree.map(lambda x: _sharding.varying(x, axes), (fp, sp, lp))
-    sp = jax.tree.map(lambda v: v[0], sp)  # this device's (R, ...) stages
-    stage = lax.axis_index(pipe.stage_axis)
-    ctx = Local(
-        pipe, stage, stages, views, _scales(pipe, views, data_axes), key, h, aux, axes
+def _shapes(pipe: Pipeline, fp, sp, lp, views, data_axes, rng):
+    """``(h, loss, aux)`` of one data shard's micro-batch, as ShapeDtypeStructs."""
+    d = _sharding.mesh_size(jax.sharding.get_abstract_mesh(), data_axes)
+    mb = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct((v.shape[0] // d, *v.shape[2:]), v.dtype), views
     )
-    runner = {
-        "1f1b": _1f1b,
-        "interleaved_1f1b": _interleaved,
-        "zb_h1": _zb,
-    }.get(pipe.schedule, _gpipe)
-    loss, (gf, gs, gl), auxs = runner.run(ctx, (fp, sp, lp), table)
+    h = jax.eval_shape(pipe.first_fn, fp, mb)
+    _checks.stage_input(h)
+    h = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    sp0 = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), sp)
+    out = jax.eval_shape(lambda s, x, k: call_stage(pipe, s, x, k, 0, 0), sp0, h, rng)
+    _checks.stage_output(h, out)
+    loss, aux = jax.eval_shape(
+        lambda lp, y, mb, k: call_loss(pipe, lp, y, mb, k, 0, 0), lp, h, mb, rng
+    )
+    _checks.loss_output(loss)
+    rows_here = jax.tree.leaves(mb)[0].shape[0]
+    return h, loss, aux, rows_here
+
+
+def _body(pipe, table, shapes, data_axes, params, views, key):
+    h, loss, aux, flags, stages = shapes
+    axes = (pipe.stage_axis, *data_axes)
+    fp, sp, lp = params
+    sp = jax.tree.map(lambda v: v[0], sp)  # this device's (R, ...) stages
+    dtypes = jax.tree.map(lambda p: p.dtype, (fp, sp, lp))
+    wide = jax.tree.map(
+        lambda x: _sharding.varying(x, axes),
+        widen((fp, sp, lp), pipe.accumulator_dtype),
+    )
+    wdtype = _dtypes.weight_dtype((fp, sp, lp))
+    mult, w = scales(pipe, views, data_axes, wdtype)
+    loss_dtype = jnp.promote_types(loss.dtype, jnp.float32)
+    ctx = Local(
+        pipe, lax.axis_index(pipe.stage_axis), stages, views, mult, w > 0,
+        key, shard_index(data_axes), h, aux, axes, dtypes, loss_dtype,
+    )  # fmt: skip
+    runner = RUNNERS[pipe.schedule]
+    total, (gf, gs, gl), auxs = runner.run(ctx, wide, table)
     gf, gl = lax.psum((gf, gl), axes)
     if data_axes:
         gs = lax.psum(gs, data_axes)
     gs = jax.tree.map(lambda v: v[None], gs)
     if aux is not None:
-        ticks = _aux_ticks(table, pipe)
-        auxs = lax.psum(jax.tree.map(lambda a: a[ticks], auxs), pipe.stage_axis)
-    return lax.psum(loss, axes), (gf, gs, gl), auxs if aux is not None else None
+        at = _aux.ticks(table, runner.LOSS_OP, pipe.repeats)
+        auxs = _aux.collect(auxs, at, pipe.stage_axis, w, flags, data_axes)
+    value = lax.psum(total, axes).astype(loss.dtype)
+    return value, (gf, gs, gl), auxs if aux is not None else None
 
 
 def call(pipe: Pipeline, params: Any, batch: Any, rng: Any = None):
     """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``)."""
-    fp, sp, lp, stages, data_axes = check_call(pipe, params, batch)
+    fp, sp, lp, stages = _checks.check_call(pipe, params, batch, rng)
+    data_axes = data_axes_of(pipe, batch)
+    mesh = jax.sharding.get_abstract_mesh()
+    _checks.divisible(pipe, batch, data_axes, _sharding.mesh_size(mesh, data_axes))
     table = sched.schedule_table(
         pipe.schedule, stages, pipe.num_microbatches, pipe.repeats
     )
     views = _views(batch, pipe.num_microbatches)
-    mb = first_microbatch(views, data_axes)
-    h = stage_input(pipe, fp, sp, mb, rng)
-    aux = None
-    if pipe.has_aux:
-        _, aux = jax.eval_shape(
-            lambda lp, y, mb, k: call_loss(pipe, lp, y, mb, k, 0, 0), lp, h, mb, rng
-        )
+    h, loss, aux, rows_here = _shapes(pipe, fp, sp, lp, views, data_axes, rng)
+    flags = _aux.row_flags(aux, rows_here, pipe.aux_rows, data_axes)
     rows = P(data_axes) if data_axes else P()
     stage_spec = P(pipe.stage_axis)
+    aux_specs = _aux.specs(aux, flags, data_axes) if aux is not None else P()
 
-    def body(fp, sp, lp, views, key):
-        return _body(pipe, stages, data_axes, table, h, aux, fp, sp, lp, views, key)
+    def body(params, views, key):
+        shapes = (h, loss, aux, flags, stages)
+        return _body(pipe, table, shapes, data_axes, params, views, key)
 
     run = jax.shard_map(
         body,
-        in_specs=(P(), P(pipe.stage_axis), P(), rows, P()),
-        out_specs=(P(), (P(), P(pipe.stage_axis), P()), P()),
-        axis_names={pipe.stage_axis, *data_axes},
+        in_specs=((P(), stage_spec, P()), rows, P()),
+        out_specs=(P(), (P(), stage_spec, P()), aux_specs),
+        axis_names=_manual_axes(pipe, data_axes, mesh),
     )
-    loss, (gf, gs, gl), auxs = run(
-        _place(fp, P()),
-        _place(_layout(sp, stages, pipe.repeats), stage_spec),
-        _place(lp, P()),
-        _place(views, rows),
-        rng,
-    )
+    laid = (_place(fp, P()), _place(_layout(sp, stages, pipe.repeats), stage_spec))
+    loss, (gf, gs, gl), auxs = run((*laid, _place(lp, P())), _place(views, rows), rng)
     grads = _like((gf, _unlayout(gs, stages, pipe.repeats), gl), (fp, sp, lp))
     return ((loss, auxs), grads) if pipe.has_aux else (loss, grads)

@@ -27,18 +27,28 @@ def value_and_grad(
     stage_axis: str = "stage",
     weight_fn: WeightFn | None = None,
     has_aux: bool = False,
+    reduction: str = "mean",
+    accumulator_dtype: Any = "promote",
+    data_axes: str | tuple[str, ...] | None = None,
+    aux_rows: Any = None,
 ) -> Callable[..., Any]:
     """The loss and gradients of a model split into pipeline stages.
 
     The model is ``loss_fn(lp, stage_{L-1}(... stage_0(first_fn(fp, batch))),
     batch)`` with ``L = S · repeats`` stages, S the size of ``stage_axis``.
     The returned ``vg((first_params, stage_params, last_params), batch,
-    rng=None)`` computes it in one ``shard_map`` over ``stage_axis`` (and the
-    mesh axes that shard the batch's rows, whose gradient reduction runs once,
-    after the loop), with one ``lax.scan`` over the ticks of
-    `schedule_table`. Its result equals ``jax.value_and_grad`` of the
-    sequential model on the whole batch (the weighted mean with
-    ``weight_fn``); the gradients have the structure of the parameters.
+    rng=None)`` computes it in one ``shard_map`` over ``stage_axis`` (and
+    ``data_axes``, whose gradient reduction runs once, after the loop), with
+    one ``lax.scan`` over the ticks of `schedule_table`. Its result equals
+    ``jax.value_and_grad`` of the sequential model on the whole batch (the
+    weighted mean with ``weight_fn``), under the rules of the other faces:
+    weights by the weight contract (0 leaves a micro-batch out; NaN, an
+    infinity or a negative weight rejects it, as in
+    `microbatch_value_and_grad`), gradient sums in the accumulator dtype, and
+    idle slots that run neither ``stage_fn`` nor ``loss_fn``. The gradients
+    have the structure, dtypes and shardings of the parameters (replicated
+    where a parameter is placed nowhere), so they feed `accumulate` and
+    ``optax.MultiSteps``; the loss comes back in ``loss_fn``'s dtype.
 
     Args:
       first_fn: ``first_fn(first_params, microbatch) -> h`` (the embedding).
@@ -59,25 +69,46 @@ def value_and_grad(
         ``"interleaved_1f1b"``: device ``s`` runs stages ``s, s + S, ...``.
       stage_axis: the mesh axis of the stages.
       weight_fn: ``weight_fn(microbatch) -> scalar``, e.g. the number of
-        valid tokens: the loss is then ``Σ w_m loss_m / Σ w_m``.
+        valid tokens: the loss is then ``Σ w_m loss_m / Σ w_m``. Over data
+        axes each shard weighs its own rows.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
-        stacked per micro-batch.
+        stacked per micro-batch (over data axes, as ``aux_rows`` says).
+      reduction: ``"mean"`` (the weighted mean) or ``"sum"`` (the weighted
+        sum), as in `microbatch`.
+      accumulator_dtype: the dtype the gradients are summed in over the
+        micro-batches: ``"promote"`` (at least float32), a floating dtype,
+        or ``None`` (the parameters' own), as in `microbatch`.
+      data_axes: the mesh axes that shard the batch's rows (not
+        ``stage_axis``), as in `microbatch`: each data shard runs the
+        pipeline on its rows. Left ``None`` with a batch sharded over other
+        axes, they are guessed from its sharding, with a DeprecationWarning
+        (guessing goes in the next release).
+      aux_rows: with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold
+        the micro-batch's rows on axis 0 (gathered over the data shards) and
+        which are statistics (averaged), as in `microbatch`.
 
     Returns:
       ``vg(params, batch, rng=None) -> (loss, grads)`` (``((loss, aux),
       grads)`` with ``has_aux``), to call under ``jax.set_mesh(mesh)``.
       ``stage_params`` leaves are stacked with a leading axis of
-      ``S · repeats`` (stage ``j`` is slice ``j``). With ``rng``, stage ``j``
-      of micro-batch ``m`` gets ``fold_in(fold_in(rng, m), j)`` and the loss
-      ``j = S · repeats``.
+      ``S · repeats`` (stage ``j`` is slice ``j``); placed with
+      ``P(stage_axis)``, each stage's slice stays on its device. With ``rng``,
+      stage ``j`` of micro-batch ``m`` gets ``fold_in(fold_in(rng, m), j)``
+      and the loss ``j = S · repeats``; on data shard ``d`` (the flat index
+      over ``data_axes``), ``fold_in(fold_in(fold_in(rng, m), d), j)``: the
+      key `microbatch` gives micro-batch ``m`` on device ``d``, then the
+      stage.
 
     Raises:
       ValueError: an unknown ``schedule``, ``repeats > 1`` with another
         schedule, M not a multiple of S for ``"circular"`` or
         ``"interleaved_1f1b"``; at the call, a
         mesh without ``stage_axis``, ``stage_params`` not stacked by
-        ``S · repeats``, a batch size not divisible by M, or a ``stage_fn``
-        that changes ``h``'s shape or dtype.
+        ``S · repeats``, a batch size not divisible by M times the data
+        shards, a ``stage_fn`` that changes ``h``'s shape or dtype, a
+        non-scalar loss or weight, or ``rng`` with a ``stage_fn`` or
+        ``loss_fn`` that does not take a key.
+      TypeError: an integer parameter leaf, or an integer loss.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -112,6 +143,10 @@ def value_and_grad(
         stage_axis,
         weight_fn,
         has_aux,
+        reduction,
+        accumulator_dtype,
+        data_axes,
+        aux_rows,
     )
     pipe = _checks.options(pipe)
 

@@ -29,7 +29,10 @@ from jax import lax
 
 from .. import _sharding
 from . import _schedule as sched
-from ._step import Cells, Local, fill, forward, ring, zeros
+from ._step import Cells, Local, fill, forward, no_grads, no_loss, ring, zeros
+
+# The op of the slot where the last stage computes a micro-batch's loss.
+LOSS_OP = sched.INPUT
 
 
 def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
@@ -118,13 +121,12 @@ def _rebuild(split: Split, kept: list, params: tuple) -> Any:
 
 def _branches(ctx: Local, split: Split):
     """Idle, F, B and W, one signature for `lax.switch` (indexed by `Op`)."""
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
     vary = lambda a: _sharding.varying(a, ctx.axes)
 
     def idle(params, x_in, g_in, m, entry):
-        grads = zeros(jax.tree.map(jax.typeof, params), ctx.axes)
+        grads = no_grads(ctx, params)
         nothing = fill(ctx.h, ctx.axes)
-        loss, aux = zeros(scalar, ctx.axes), zeros(ctx.aux, ctx.axes)
+        loss, aux = no_loss(ctx), zeros(ctx.aux, ctx.axes)
         return nothing, nothing, grads, loss, aux, entry
 
     def fwd(params, x_in, g_in, m, entry):
@@ -201,6 +203,6 @@ def _init(ctx: Local, params: tuple, split: Split) -> tuple:
         zeros(pending, ctx.axes),
         fill(ctx.h, ctx.axes),
         fill(ctx.h, ctx.axes),
-        zeros(jax.tree.map(jax.typeof, params), ctx.axes),
-        zeros(jax.ShapeDtypeStruct((), jnp.float32), ctx.axes),
+        no_grads(ctx, params),
+        no_loss(ctx),
     )

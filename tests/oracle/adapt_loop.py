@@ -51,6 +51,10 @@ def _options(cell: Cell, flax: bool = False) -> dict[str, Any]:
 
 def build_fn(cell: Cell) -> Any:
     """The face as ``f(params, c, m[, key][, noise_scale=])`` (may refuse)."""
+    if cell.pipeline:
+        from . import adapt_pipeline
+
+        return adapt_pipeline.build_fn(cell, _options(cell, flax=True))
     loss = rt.loss(cell)
     if cell.face == "loss":
         if not hasattr(optax_accum, LOSS_FACE):

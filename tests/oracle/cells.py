@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 
-FACES = ("accumulate", "multisteps", "microbatch", "loss", "nnx", "linen")
+# The pipeline's schedules are faces too (`pipeline.value_and_grad`).
+PIPELINE_FACES = ("pipe-gpipe", "pipe-1f1b", "pipe-circular")
+FACES = (
+    "accumulate",
+    "multisteps",
+    "microbatch",
+    "loss",
+    "nnx",
+    "linen",
+    *PIPELINE_FACES,
+)
 MODES = ("single", "global", "axis_name", "pmap", "data_axes")
 REDUCTIONS = ("mean", "sum")
 WEIGHTS = ("none", "counts", "zeros", "nan", "negative")
@@ -52,8 +62,11 @@ VARIABLES = {
 }
 
 STREAM_FACES = ("accumulate", "multisteps")  # one micro-batch per call
-LOOP_FACES = ("microbatch", "loss", "nnx", "linen")  # k micro-batches per call
+# k micro-batches per call
+LOOP_FACES = ("microbatch", "loss", "nnx", "linen", *PIPELINE_FACES)
 DEVICES = 8  # the global view, axis_name and data_axes run on 8 CPU devices
+# The pipeline's mesh: 2 stages, and with data_axes 4 data shards (8 devices).
+PIPE_STAGES, PIPE_DATA = 2, 4
 ROWS = 2  # rows of a micro-batch per device
 
 
@@ -87,7 +100,19 @@ class Cell:
 
     @property
     def devices(self) -> int:
-        return 1 if self.mode == "single" else DEVICES
+        """The devices that hold the batch's rows (the pipeline: data shards)."""
+        if self.mode == "single":
+            return 1
+        return PIPE_DATA if self.pipeline else DEVICES
+
+    @property
+    def pipeline(self) -> bool:
+        return self.face in PIPELINE_FACES
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline's stages, ``S · repeats`` (circular: 2 repeats)."""
+        return PIPE_STAGES * (2 if self.face == "pipe-circular" else 1)
 
     @property
     def mapped(self) -> bool:

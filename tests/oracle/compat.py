@@ -7,7 +7,8 @@ where no rule of `table.REFUSED` refuses it, "refused" where one refuses it
 whatever the other variables, and "yes (condition)" where rules refuse some
 values of the other variables (their ``short`` condition); a row or mode the
 oracle does not drive is "—". Options are judged without weights; the
-"weights" row judges weights with no option.
+"weights" row judges weights with no option. The pipeline's "one device" is
+its stage axis alone (no data axes); ``rng_argnums`` is its ``rng``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ FACE_NAMES = {
     "loss": "`microbatch_value_and_grad`",
     "nnx": "`nnx_train_step`",
     "linen": "`linen_train_step`",
+    "pipe-gpipe": '`pipeline.value_and_grad` (`"gpipe"`)',
+    "pipe-1f1b": '`pipeline.value_and_grad` (`"1f1b"`)',
+    "pipe-circular": '`pipeline.value_and_grad` (`"circular"`)',
 }
 MODE_NAMES = {
     "single": "one device",

@@ -106,13 +106,16 @@ def step_key(cell: Cell, s: int) -> jax.Array:
 
 def unit_keys(cell: Cell, s: int) -> dict[tuple[int, int], jax.Array]:
     """Micro-batch ``i`` on device ``d`` draws with ``fold_in(key, i)``, and
-    in the device-local mode ``fold_in(that, d)`` (the documented keys)."""
+    in the device-local mode ``fold_in(that, d)`` (the documented keys); the
+    pipeline's loss folds its stage index ``S · repeats`` in last."""
     key = step_key(cell, s)
     out = {}
     for i in range(cell.k):
         ki = jax.random.fold_in(key, i)
         for d in range(cell.devices):
             out[i, d] = jax.random.fold_in(ki, d) if cell.mode == "data_axes" else ki
+            if cell.pipeline:  # then the stage: the loss is stage S · repeats
+                out[i, d] = jax.random.fold_in(out[i, d], cell.num_stages)
     return out
 
 

@@ -23,6 +23,7 @@ from . import table
 from .cells import VARIABLES, Cell
 
 FAST = 30  # cells in the fast lane
+FAST_PIPELINE = 4  # and of the pipeline's
 SEED = 20
 
 
@@ -288,6 +289,30 @@ EXPLICIT = (
     # 14: a bf16 buffer at k = 1024 on both faces.
     _c("microbatch", "single", "mean", "none", 1024, "bf16", "none", "none"),
     _c("accumulate", "single", "mean", "none", 1024, "bf16", "none", "none"),
+    # Issue 28: the pipeline's schedules. A padding micro-batch, a rejected
+    # weight, a data shard with no token, bf16, x64, keys and aux per data
+    # shard, the weighted sum.
+    _c("pipe-gpipe", "single", "mean", "zeros", 8, "f32", "promote", "none"),
+    _c("pipe-1f1b", "single", "mean", "negative", 2, "f32", "promote", "none"),
+    _c("pipe-circular", "single", "mean", "nan", 2, "f32", "promote", "none"),
+    _c(
+        "pipe-gpipe",
+        "data_axes",
+        "mean",
+        "zeros",
+        2,
+        "f32",
+        "promote",
+        "none",
+        bad_device=True,
+    ),
+    _c("pipe-1f1b", "data_axes", "mean", "nan", 2, "f32", "promote", "none"),
+    _c("pipe-gpipe", "single", "mean", "none", 8, "bf16", "promote", "none"),
+    _c("pipe-1f1b", "single", "mean", "counts", 8, "bf16", "none", "none"),
+    _c("pipe-circular", "single", "mean", "counts", 2, "f64", "promote", "none"),
+    _c("pipe-1f1b", "data_axes", "mean", "none", 2, "f32", "promote", "rng"),
+    _c("pipe-gpipe", "data_axes", "mean", "counts", 2, "f32", "promote", "has_aux"),
+    _c("pipe-1f1b", "single", "sum", "counts", 3, "f32", "promote", "none"),
 )
 
 
@@ -315,9 +340,15 @@ def all_cells() -> tuple[Cell, ...]:
 
 @functools.cache
 def fast() -> tuple[Cell, ...]:
-    """A seeded sample, without the k = 1024 cells."""
-    pool = [c for c in all_cells() if c.k <= 8]
-    return tuple(random.Random(SEED).sample(pool, FAST))
+    """A seeded sample, without the k = 1024 cells; the pipeline's faces
+    sampled apart (`FAST_PIPELINE` of them), so that the fast lane always
+    holds some of each."""
+    pool = [c for c in all_cells() if c.k <= 8 and not c.pipeline]
+    pipes = [c for c in all_cells() if c.pipeline]
+    return tuple(
+        random.Random(SEED).sample(pool, FAST)
+        + random.Random(SEED).sample(pipes, FAST_PIPELINE)
+    )
 
 
 def slow() -> tuple[Cell, ...]:

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .cells import DEVICES, Cell
+from .cells import DEVICES, PIPE_STAGES, Cell
 
 JNP_DTYPES = {
     "f32": jnp.float32,
@@ -30,6 +30,7 @@ JNP_DTYPES = {
 }
 ACCS = {"promote": "promote", "none": None, "f32": jnp.float32}
 AXIS = "d"
+STAGE = "stage"  # the pipeline's stage axis
 DECAY = 0.5  # noise_scale_decay
 
 
@@ -39,12 +40,22 @@ def mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((DEVICES,), (AXIS,))
 
 
+@functools.cache
+def pipeline_mesh(data: int) -> jax.sharding.Mesh:
+    """The pipeline's mesh: ``(data, stage)``, the batch's rows over ``data``."""
+    devices = jax.devices()[: data * PIPE_STAGES]
+    return jax.make_mesh((data, PIPE_STAGES), (AXIS, STAGE), devices=devices)
+
+
 def context(cell: Cell) -> contextlib.ExitStack:
-    """x64 for f64 cells; the mesh for the global view and data_axes."""
+    """x64 for f64 cells; the mesh for the global view, data_axes and the
+    pipeline."""
     stack = contextlib.ExitStack()
     if cell.dtype == "f64":
         stack.enter_context(jax.enable_x64(True))
-    if cell.mode in ("global", "data_axes"):
+    if cell.pipeline:
+        stack.enter_context(jax.set_mesh(pipeline_mesh(cell.devices)))
+    elif cell.mode in ("global", "data_axes"):
         stack.enter_context(jax.set_mesh(mesh()))
     return stack
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .cells import LOOP_FACES, STREAM_FACES, Cell
+from .cells import LOOP_FACES, PIPELINE_FACES, STREAM_FACES, Cell
 
 
 class Rule(NamedTuple):
@@ -45,9 +45,17 @@ NOT_APPLICABLE = (
     _rule(
         (),
         "the value-and-grad face only",
-        face=("loss", "nnx", "linen"),
+        face=("loss", "nnx", "linen", *PIPELINE_FACES),
         option=("clip",),
     ),
+    _rule(
+        (),
+        "the pipeline runs its own shard_map over the stage axis: one device's "
+        "view (the stages only) or data_axes",
+        face=PIPELINE_FACES,
+        mode=("global", "axis_name", "pmap"),
+    ),
+    _rule((), "no noise scale on the pipeline", face=PIPELINE_FACES, option=("noise",)),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), option=("float0",)),
     _rule((), "not driven by the oracle", face=("nnx", "linen"), int_param=(True,)),
     _rule((), "nnx keys come from nnx.Rngs", face=("nnx",), option=("rng",)),
@@ -146,6 +154,27 @@ REFUSED = (
         "floating parameters",
         face=("loss",),
         int_param=(True,),
+    ),
+    _rule(
+        ("`params`",),
+        "the pipeline differentiates every parameter leaf",
+        "floating parameters",
+        face=PIPELINE_FACES,
+        option=("float0",),
+    ),
+    _rule(
+        ("`params`",),
+        "the pipeline differentiates every parameter leaf",
+        "floating parameters",
+        face=PIPELINE_FACES,
+        int_param=(True,),
+    ),
+    _rule(
+        ("`num_microbatches`", "multiple"),
+        "circular needs M a multiple of S",
+        "k a multiple of S",
+        face=("pipe-circular",),
+        k=(1, 3),
     ),
     _rule(
         ("weight",),

@@ -89,3 +89,55 @@ def test_params_not_a_triple():
     params, batch = md.make(4, rows=8)
     with pytest.raises(TypeError, match="`params` must be"):
         trace(mesh_of(), params[:2], batch)
+
+
+def test_microbatches_not_divisible_by_data_shards():
+    """Issue 28 (6): the numbers, and no stray quote."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mesh_of(("data", "stage"), (2, 4))
+    params, batch = md.make(4, rows=12)
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    with pytest.raises(
+        ValueError,
+        match=r"batch size 12 .*`num_microbatches`=4 times the 2 data shards "
+        r"of \('data',\) \(= 8\)",
+    ):
+        trace(mesh, params, batch, data_axes="data")
+
+
+def test_loss_and_weight_must_be_scalars():
+    """Issue 28 (6): these failed inside JAX instead of naming the argument."""
+    params, batch = md.make(4, rows=8)
+
+    def rows_loss(lp, h, b):
+        return jnp.sum((h @ lp["w"] - b["y"]) ** 2, axis=-1)
+
+    with pytest.raises(ValueError, match="`loss_fn` must return a scalar"):
+        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, rows_loss))
+
+    def int_loss(lp, h, b):
+        return jnp.int32(1)
+
+    with pytest.raises(TypeError, match="`loss_fn` must return a floating"):
+        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, int_loss))
+    with pytest.raises(ValueError, match="`weight_fn` must return a scalar"):
+        trace(mesh_of(), params, batch, weight_fn=lambda mb: mb["mask"])
+
+
+def test_integer_parameter_leaf():
+    params, batch = md.make(4, rows=8)
+    fp, sp, lp = params
+    with pytest.raises(TypeError, match=r"`params`\[2\]\['steps'\] is int32"):
+        trace(mesh_of(), (fp, sp, {**lp, "steps": jnp.int32(0)}), batch)
+
+
+def test_rng_with_two_argument_stage_fn():
+    params, batch = md.make(4, rows=8)
+    vg = pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4)
+    with (
+        jax.set_mesh(mesh_of()),
+        pytest.raises(TypeError, match=r"with `rng`, `stage_fn` is called"),
+    ):
+        jax.eval_shape(vg, params, batch, jax.random.key(0))

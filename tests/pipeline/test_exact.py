@@ -84,6 +84,7 @@ def check_data_mesh(schedule, weighted):
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     kw = {"weight_fn": md.weight_fn} if weighted else {}
+    kw["data_axes"] = "data"
     got = pipelined(mesh, params, batch, 8, schedule=schedule, repeats=repeats, **kw)
     md.assert_close(got, want, rtol=1e-5)
 
@@ -263,7 +264,7 @@ def test_sharded_parameters():
             "b": jax.device_put(sp["b"], NamedSharding(mesh, P("stage"))),
         }
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    got = pipelined(mesh, (fp, sp, lp), batch, 8, schedule="1f1b")
+    got = pipelined(mesh, (fp, sp, lp), batch, 8, schedule="1f1b", data_axes="data")
     md.assert_close(got, want, rtol=1e-5)
     assert got[1][1]["w"].sharding.spec == P("stage", None, "data")
     assert got[1][0]["w"].sharding.spec == P(None, "data")

@@ -33,11 +33,24 @@ def lowered(schedule, m, data=1, rows=2, width=8):
     devices = jax.devices()[: STAGES * data]
     mesh = jax.make_mesh((data, STAGES), ("data", "stage"), devices=devices)
     params, batch = md.make(STAGES * repeats, rows=rows * m * data, width=width)
+    fp, sp, lp = params
     with jax.set_mesh(mesh):
+        # The stages placed where they run: their gradients come back so, with
+        # no gather (unplaced, they come back replicated, like the parameters).
+        sp = jax.device_put(sp, NamedSharding(mesh, P("stage")))
+        params = (fp, sp, lp)
+        kw = {}
         if data > 1:
             batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            kw["data_axes"] = "data"
         vg = pl.value_and_grad(
-            md.first_fn, md.stage_fn, md.loss_fn, m, schedule=schedule, repeats=repeats
+            md.first_fn,
+            md.stage_fn,
+            md.loss_fn,
+            m,
+            schedule=schedule,
+            repeats=repeats,
+            **kw,
         )
         return jax.jit(vg).lower(params, batch), mesh
 
@@ -72,10 +85,11 @@ def check_collectives(schedule):
         for op, g, _ in everything
         if op == "all-gather" and hlo.crosses(g, mesh, "stage")
     ]
-    # Circular, interleaved: stage j = r·S + s lives on device s, so putting
-    # the gradients back in the order of the stacked parameters moves them,
-    # once, after the loop (the loops themselves hold only collective-permutes).
-    assert len(gathers) == (2 if schedule in REPEATED else 0), gathers
+    # Circular, interleaved: stage j = r·S + s lives on device s, so laying
+    # the stacked parameters out moves them once before the loop, and putting
+    # the gradients back in their order once after it: one gather per leaf (2)
+    # each way (the loops themselves hold only collective-permutes).
+    assert len(gathers) == (4 if schedule in REPEATED else 0), gathers
     data_reduces = [
         g
         for op, g, _ in everything
