@@ -59,6 +59,7 @@ def test_data_mesh_token_weights(repeats):
         schedule=SCHEDULE,
         repeats=repeats,
         weight_fn=md.weight_fn,
+        data_axes="data",
     )
     md.assert_close(got, want, rtol=1e-5)
 

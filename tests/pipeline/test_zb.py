@@ -113,7 +113,7 @@ def test_sharded_batch_explicit():
     params, batch = md.make(4, rows=32)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    got = te.pipelined(mesh, params, batch, 16, schedule="zb_h1")
+    got = te.pipelined(mesh, params, batch, 16, schedule="zb_h1", data_axes="data")
     md.assert_close(got, want, rtol=1e-5)
 
 
