@@ -148,7 +148,8 @@ def _branches(ctx: Local, split: Split):
     def weight_grad(params, x_in, g_in, m, entry):
         kept, ct_y = entry
         vjp = _rebuild(split, list(kept), params)
-        grads, _ = vjp((ct_y, vary(jnp.ones((), jnp.float32))))
+        # The loss's cotangent in the dtype losses are summed in (x64: float64).
+        grads, _ = vjp((ct_y, jnp.ones_like(no_loss(ctx))))
         grads = jax.tree.map(vary, grads)
         nothing, _, _, loss, aux, _ = idle(params, x_in, g_in, m, entry)
         return nothing, nothing, grads, loss, aux, entry
