@@ -232,6 +232,7 @@ def forward(
     r: Any,
     active: Any,
     with_loss: bool = True,
+    dy: Any = None,
 ):
     """One slot: ``(stage output, scaled loss, aux)``.
 
@@ -239,7 +240,8 @@ def forward(
     input that arrived (ignored on device 0's first pass, which embeds the
     micro-batch). An idle slot, or one of a micro-batch of weight 0, runs
     nothing: it sends `BUBBLE_FILL` and adds no loss; so does every slot
-    without ``with_loss``.
+    without ``with_loss``. ``dy`` (zeros) is added to the stage output, the
+    head's input: a runner differentiates by it for the cotangent there.
     """
     pipe = ctx.pipe
     fp, sp, lp = narrow(params, ctx.dtypes)
@@ -276,6 +278,8 @@ def forward(
         y = lax.switch(which, [idle, freeze(stage), stage], sp, x)
     else:
         y = lax.cond(run, stage, idle, sp, x)
+    if dy is not None:
+        y = y + dy
     if not with_loss:
         return y, no_loss(ctx), zeros(ctx.aux, ctx.axes)
 

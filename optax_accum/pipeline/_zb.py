@@ -4,13 +4,16 @@
 
 The table (`_schedule._zero_bubble_h1`) says, per tick and device, F, B, W
 or nothing. F runs the stage and keeps its input, as 1F1B does. B
-recomputes the stage under ``jax.vjp`` from the input it kept, and sends on
-only the input cotangent; the ``vjp`` function is a pytree whose leaves are
-the residuals, so B keeps them, with the output cotangent, in a pending slot
-(micro-batch mod S: the table holds at most S pending). W rebuilds the
-``vjp`` function from that slot and takes only the parameters' cotangent.
-Each half leaves the other's outputs unused, so XLA drops them: B computes
-no weight gradient and W no input gradient.
+recomputes the slot under ``jax.vjp`` from the input it kept, the stage's
+weights held constant: it sends on the input cotangent and takes the
+embedding's and the head's whole gradients, and the cotangent of the stage
+output (`forward`'s ``dy``). The stage's own ``vjp`` over its weights is a
+pytree whose leaves are its residuals, so B keeps them, with that
+cotangent, in a pending slot (micro-batch mod S: the table holds at most S
+pending). W rebuilds it from that slot and takes the stage weights'
+cotangent. B computes no stage weight gradient and W no input gradient, and
+no head's residual waits for W. The price: B linearizes the stage twice
+(one more stage forward at B).
 
 Residual leaves that are the parameters themselves are not kept (they are
 the same at every tick); W puts the current parameters back in their place.
@@ -79,14 +82,29 @@ class Split(NamedTuple):
 
 
 def _vjp(ctx: Local, params: tuple, x_in: jax.Array, m: jax.Array):
-    """``(loss, vjp, aux)`` of this device's stage (and loss) at micro-batch m."""
+    """B's ``(loss, vjp, aux)`` at micro-batch m: the slot's ``vjp`` over the
+    embedding's and the head's weights, the input and the stage output (``dy``),
+    the stage's weights held constant."""
+    fp, sp, lp = params
 
-    def f(params, x_in):
-        y, loss, aux = forward(ctx, params, x_in, m, 0, True)
+    def f(fp, lp, x_in, dy):
+        y, loss, aux = forward(ctx, (fp, sp, lp), x_in, m, 0, True, dy=dy)
         return (y, loss), aux
 
-    (_y, loss), vjp, aux = jax.vjp(f, params, x_in, has_aux=True)
+    dy = zeros(ctx.h, ctx.axes)
+    (_y, loss), vjp, aux = jax.vjp(f, fp, lp, x_in, dy, has_aux=True)
     return loss, vjp, aux
+
+
+def _stage_vjp(ctx: Local, params: tuple, x_in: jax.Array, m: jax.Array):
+    """W's ``vjp``: the stage output over the stage's weights alone, so its
+    residuals are the stage's (no head: the loss is not computed)."""
+    fp, sp, lp = params
+
+    def g(sp):
+        return forward(ctx, (fp, sp, lp), x_in, m, 0, True, with_loss=False)[0]
+
+    return jax.vjp(g, sp)[1]
 
 
 def _sources(vjp: Any, params: tuple) -> tuple[Any, tuple[int, ...], list]:
@@ -104,7 +122,7 @@ def probe(ctx: Local, params: tuple) -> Split:
     found = {}
 
     def trace(params, x_in, m):
-        _, vjp, _ = _vjp(ctx, params, x_in, m)
+        vjp = _stage_vjp(ctx, params, x_in, m)
         found["treedef"], found["source"], kept = _sources(vjp, params)
         return kept
 
@@ -134,24 +152,25 @@ def _branches(ctx: Local, split: Split):
         return (y, *idle(params, x_in, g_in, m, entry)[1:])
 
     def input_grad(params, x_in, g_in, m, entry):
+        # B: the input's, the embedding's and the head's gradients now; the
+        # stage's residuals and its output's cotangent wait for W.
         loss, vjp, aux = _vjp(ctx, params, x_in, m)
         last = ctx.stage == ctx.num_stages - 1
         ct_y = jnp.where(last, jnp.zeros_like(g_in), g_in)
-        _, gx = vjp((ct_y, jnp.ones_like(loss)))
-        _, source, kept = _sources(vjp, params)
+        gf, gl, gx, ct_stage = vjp((ct_y, jnp.ones_like(loss)))
+        _, source, kept = _sources(_stage_vjp(ctx, params, x_in, m), params)
         if source != split.source:  # pragma: no cover - a probe bug
             raise AssertionError("B's vjp differs from the probed one.")
-        entry = (tuple(vary(k) for k in kept), vary(ct_y))
-        _, nothing, grads, _, _, _ = idle(params, x_in, g_in, m, entry)
-        return nothing, gx, grads, loss, aux, entry
+        entry = (tuple(vary(k) for k in kept), vary(ct_stage))
+        _, nothing, (_, gs, _), _, _, _ = idle(params, x_in, g_in, m, entry)
+        grads = jax.tree.map(vary, (gf, gs, gl))
+        return nothing, vary(gx), grads, loss, aux, entry
 
     def weight_grad(params, x_in, g_in, m, entry):
-        kept, ct_y = entry
-        vjp = _rebuild(split, list(kept), params)
-        grads, _ = vjp((ct_y, vary(jnp.ones((), jnp.float32))))
-        grads = jax.tree.map(vary, grads)
-        nothing, _, _, loss, aux, _ = idle(params, x_in, g_in, m, entry)
-        return nothing, nothing, grads, loss, aux, entry
+        kept, ct_stage = entry
+        (gs,) = _rebuild(split, list(kept), params)(ct_stage)
+        nothing, _, (gf, _, gl), loss, aux, _ = idle(params, x_in, g_in, m, entry)
+        return nothing, nothing, (gf, jax.tree.map(vary, gs), gl), loss, aux, entry
 
     return [idle, fwd, idle, input_grad, weight_grad]  # Op 2 is not in ZB-H1
 

@@ -22,7 +22,13 @@ from optax_accum import pipeline
 from . import runtime as rt
 from .cells import Cell
 
-SCHEDULES = {"pipe-gpipe": "gpipe", "pipe-1f1b": "1f1b", "pipe-circular": "circular"}
+SCHEDULES = {
+    "pipe-gpipe": "gpipe",
+    "pipe-1f1b": "1f1b",
+    "pipe-circular": "circular",
+    "pipe-interleaved": "interleaved_1f1b",
+    "pipe-zb": "zb_h1",
+}
 
 
 def first_fn(fp: Any, batch: dict) -> Any:
@@ -41,14 +47,13 @@ def build_fn(cell: Cell, options: dict[str, Any]) -> Any:
     kw = {k: v for k, v in options.items() if k != "noise_scale_decay"}
     if "weight_fn" in kw:
         kw["weight_fn"] = lambda b: rt.weight_fn(b["c"], b["m"])
-    repeats = 2 if cell.face == "pipe-circular" else 1
     vg = pipeline.value_and_grad(
         first_fn,
         stage_fn,
         lambda lp, h, b, *key: loss(lp, h, b["m"], *key),
         cell.k,
         schedule=SCHEDULES[cell.face],
-        repeats=repeats,
+        repeats=cell.repeats,
         stage_axis=rt.STAGE,
         has_aux=cell.option == "has_aux",
         **kw,

@@ -16,7 +16,15 @@ from __future__ import annotations
 import dataclasses
 
 # The pipeline's schedules are faces too (`pipeline.value_and_grad`).
-PIPELINE_FACES = ("pipe-gpipe", "pipe-1f1b", "pipe-circular")
+PIPELINE_FACES = (
+    "pipe-gpipe",
+    "pipe-1f1b",
+    "pipe-circular",
+    "pipe-interleaved",
+    "pipe-zb",
+)
+# The faces that run 2 stages per device (``repeats``); the others run 1.
+PIPE_REPEATS = {"pipe-circular": 2, "pipe-interleaved": 2}
 FACES = (
     "accumulate",
     "multisteps",
@@ -110,9 +118,14 @@ class Cell:
         return self.face in PIPELINE_FACES
 
     @property
+    def repeats(self) -> int:
+        """The pipeline's stages per device (`PIPE_REPEATS`)."""
+        return PIPE_REPEATS.get(self.face, 1)
+
+    @property
     def num_stages(self) -> int:
-        """The pipeline's stages, ``S · repeats`` (circular: 2 repeats)."""
-        return PIPE_STAGES * (2 if self.face == "pipe-circular" else 1)
+        """The pipeline's stages, ``S · repeats``."""
+        return PIPE_STAGES * self.repeats
 
     @property
     def mapped(self) -> bool:

@@ -28,6 +28,8 @@ FACE_NAMES = {
     "pipe-gpipe": '`pipeline.value_and_grad` (`"gpipe"`)',
     "pipe-1f1b": '`pipeline.value_and_grad` (`"1f1b"`)',
     "pipe-circular": '`pipeline.value_and_grad` (`"circular"`)',
+    "pipe-interleaved": '`pipeline.value_and_grad` (`"interleaved_1f1b"`)',
+    "pipe-zb": '`pipeline.value_and_grad` (`"zb_h1"`)',
 }
 MODE_NAMES = {
     "single": "one device",

@@ -171,9 +171,9 @@ REFUSED = (
     ),
     _rule(
         ("`num_microbatches`", "multiple"),
-        "circular needs M a multiple of S",
+        "circular and interleaved 1F1B need M a multiple of S",
         "k a multiple of S",
-        face=("pipe-circular",),
+        face=("pipe-circular", "pipe-interleaved"),
         k=(1, 3),
     ),
     _rule(

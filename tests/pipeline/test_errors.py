@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 from optax_accum import pipeline as pl
+from tests.helpers.lanes import sweep
 from tests.pipeline import models as md
+from tests.pipeline.test_semantics import SCHEDULES
 
 
 def trace(mesh, params, batch, m=4, fns=None, **kw):
@@ -67,6 +69,9 @@ def test_microbatches_not_divisible():
     params, batch = md.make(4, rows=12)
     with pytest.raises(ValueError, match=r"`num_microbatches`=6 must be a multiple"):
         trace(mesh_of(), params, batch, m=6, schedule="circular")
+    params, batch = md.make(8, rows=12)
+    with pytest.raises(ValueError, match=r"`num_microbatches`=6 must be a multiple"):
+        trace(mesh_of(), params, batch, m=6, schedule="interleaved_1f1b", repeats=2)
 
 
 def test_bad_options_at_construction():
@@ -75,6 +80,8 @@ def test_bad_options_at_construction():
         pl.value_and_grad(*fns, 4, repeats=2)
     with pytest.raises(ValueError, match=r"`repeats`=2 needs.*'1f1b'"):
         pl.value_and_grad(*fns, 4, schedule="1f1b", repeats=2)
+    with pytest.raises(ValueError, match=r"`repeats`=2 needs.*'zb_h1'"):
+        pl.value_and_grad(*fns, 4, schedule="zb_h1", repeats=2)
     with pytest.raises(ValueError, match="`schedule` must be one of"):
         pl.value_and_grad(*fns, 4, schedule="zb")
     with pytest.raises(ValueError, match="`num_microbatches` must be a positive int"):
@@ -107,35 +114,44 @@ def test_microbatches_not_divisible_by_data_shards():
         trace(mesh, params, batch, data_axes="data")
 
 
-def test_loss_and_weight_must_be_scalars():
+CHECKED = sweep(SCHEDULES, fast=[("gpipe", 1)])
+
+
+@pytest.mark.parametrize("schedule,repeats", CHECKED)
+def test_loss_and_weight_must_be_scalars(schedule, repeats):
     """Issue 28 (6): these failed inside JAX instead of naming the argument."""
-    params, batch = md.make(4, rows=8)
+    params, batch = md.make(4 * repeats, rows=8)
+    kw = {"schedule": schedule, "repeats": repeats}
 
     def rows_loss(lp, h, b):
         return jnp.sum((h @ lp["w"] - b["y"]) ** 2, axis=-1)
 
     with pytest.raises(ValueError, match="`loss_fn` must return a scalar"):
-        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, rows_loss))
+        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, rows_loss), **kw)
 
     def int_loss(lp, h, b):
         return jnp.int32(1)
 
     with pytest.raises(TypeError, match="`loss_fn` must return a floating"):
-        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, int_loss))
+        trace(mesh_of(), params, batch, fns=(md.first_fn, md.stage_fn, int_loss), **kw)
     with pytest.raises(ValueError, match="`weight_fn` must return a scalar"):
-        trace(mesh_of(), params, batch, weight_fn=lambda mb: mb["mask"])
+        trace(mesh_of(), params, batch, weight_fn=lambda mb: mb["mask"], **kw)
 
 
-def test_integer_parameter_leaf():
-    params, batch = md.make(4, rows=8)
+@pytest.mark.parametrize("schedule,repeats", CHECKED)
+def test_integer_parameter_leaf(schedule, repeats):
+    params, batch = md.make(4 * repeats, rows=8)
+    kw = {"schedule": schedule, "repeats": repeats}
     fp, sp, lp = params
     with pytest.raises(TypeError, match=r"`params`\[2\]\['steps'\] is int32"):
-        trace(mesh_of(), (fp, sp, {**lp, "steps": jnp.int32(0)}), batch)
+        trace(mesh_of(), (fp, sp, {**lp, "steps": jnp.int32(0)}), batch, **kw)
 
 
-def test_rng_with_two_argument_stage_fn():
-    params, batch = md.make(4, rows=8)
-    vg = pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4)
+@pytest.mark.parametrize("schedule,repeats", CHECKED)
+def test_rng_with_two_argument_stage_fn(schedule, repeats):
+    params, batch = md.make(4 * repeats, rows=8)
+    vg = pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4,
+                           schedule=schedule, repeats=repeats)  # fmt: skip
     with (
         jax.set_mesh(mesh_of()),
         pytest.raises(TypeError, match=r"with `rng`, `stage_fn` is called"),

@@ -25,7 +25,14 @@ from optax_accum.pipeline import _step
 from tests.helpers.lanes import sweep
 from tests.pipeline import models as md
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("circular", 2)]
+# Every schedule, each with its repeats: every property below is every one's.
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("circular", 2),
+    ("interleaved_1f1b", 2),
+    ("zb_h1", 1),
+]
 
 
 def mesh_of(stages=4, data=1):
@@ -76,20 +83,28 @@ def test_padding_microbatch_weighs_nothing(schedule, repeats):
     md.assert_close(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", sweep([-1.0, float("nan"), float("inf")], fast=[-1.0]))
-def test_rejected_weight_like_loop_face(bad):
+REJECTED = [
+    (bad, *sch) for bad in (-1.0, float("nan"), float("inf")) for sch in SCHEDULES
+]
+
+
+@pytest.mark.parametrize(
+    "bad,schedule,repeats",
+    sweep(REJECTED, fast=[(-1.0, "gpipe", 1), (-1.0, "1f1b", 1)]),
+)
+def test_rejected_weight_like_loop_face(bad, schedule, repeats):
     """Issue 28 (1): a weight of -1 (NaN, inf) rejects its micro-batch, as
     `microbatch_value_and_grad` does (main: 4.1295 against 3.0971, NaN)."""
-    params, batch = md.make(4, rows=16, ragged=True)
+    params, batch = md.make(4 * repeats, rows=16, ragged=True)
 
     def weight_fn(mb):
         w = md.weight_fn(mb)
         return jnp.where(mb["x"][0, 0] == batch["x"][2, 0], bad, w)
 
     want = loop_face(params, batch, 4, weight_fn=weight_fn)
-    for schedule in ("gpipe", "1f1b"):
-        got = run(mesh_of(), params, batch, 4, schedule=schedule, weight_fn=weight_fn)
-        md.assert_close(got, want, rtol=1e-5)
+    got = run(mesh_of(), params, batch, 4, schedule=schedule, repeats=repeats,
+              weight_fn=weight_fn)  # fmt: skip
+    md.assert_close(got, want, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -144,16 +159,19 @@ def test_bubbles_compute_nothing(stage_fn, schedule, repeats, monkeypatch):
     md.assert_close(got, want, rtol=1e-4)
 
 
-@pytest.mark.parametrize("schedule", sweep(["gpipe", "1f1b"], fast=["1f1b"]))
-def test_bf16_gradients_sum_in_float32(schedule):
+@pytest.mark.parametrize("schedule,repeats", sweep(SCHEDULES, fast=[("1f1b", 1)]))
+def test_bf16_gradients_sum_in_float32(schedule, repeats):
     """Issue 28 (3): bf16 parameters at M = 1024: main summed in bf16
     (relative gradient error 0.13 for GPipe, 0.14 for 1F1B); summed in
     float32 it is 0.0037, the error of bf16 compute, as the loss face's."""
     m = 1024
+    # The same 4-stage model for every schedule (2 devices with 2 repeats):
+    # 8 bf16 stages alone have an error of 0.016.
     params, batch = md.make(4, rows=m)
     bf = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)[1]
-    got = run(mesh_of(), bf, batch, m, schedule=schedule)
+    mesh = mesh_of(stages=4 // repeats)
+    got = run(mesh, bf, batch, m, schedule=schedule, repeats=repeats)
     assert jax.tree.map(lambda g: g.dtype, got[1]) == jax.tree.map(
         lambda g: g.dtype, bf
     )
@@ -175,12 +193,14 @@ def test_x64(schedule, repeats):
         md.assert_close(got, want, rtol=1e-12)
 
 
-def test_feeds_accumulate_and_multisteps():
+@pytest.mark.parametrize("schedule,repeats", sweep(SCHEDULES, fast=[("1f1b", 1)]))
+def test_feeds_accumulate_and_multisteps(schedule, repeats):
     """Issue 28 (5): unplaced parameters' gradients came back P('stage') and
     `accumulate`, `MultiSteps` and ``optax.MultiSteps`` refused them."""
-    params, batch = md.make(4, rows=16)
+    params, batch = md.make(4 * repeats, rows=16)
     mesh = mesh_of()
-    vg = pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4, schedule="1f1b")
+    vg = pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4,
+                           schedule=schedule, repeats=repeats)  # fmt: skip
     for tx in (
         optax_accum.accumulate(optax.adamw(1e-3), 2),
         optax_accum.MultiSteps(optax.adamw(1e-3), 2),
@@ -202,12 +222,14 @@ def test_feeds_accumulate_and_multisteps():
 
 
 @pytest.mark.slow
-def test_placed_stage_parameters_keep_their_sharding():
+@pytest.mark.parametrize("schedule,repeats", SCHEDULES)
+def test_placed_stage_parameters_keep_their_sharding(schedule, repeats):
     mesh = mesh_of()
-    params, batch = md.make(4, rows=16)
+    params, batch = md.make(4 * repeats, rows=16)
     with jax.set_mesh(mesh):
         sp = jax.device_put(params[1], NamedSharding(mesh, P("stage")))
-    got = run(mesh, (params[0], sp, params[2]), batch, 4, schedule="gpipe")
+    got = run(mesh, (params[0], sp, params[2]), batch, 4, schedule=schedule,
+              repeats=repeats)  # fmt: skip
     assert got[1][1]["w"].sharding.is_equivalent_to(sp["w"].sharding, 3)
 
 
@@ -240,15 +262,15 @@ def shard_reference(params, batch, key, m, data):
     return sum(losses) / n, jax.tree.map(lambda *a: jnp.stack(a), *per_mb)
 
 
-@pytest.mark.parametrize("schedule", sweep(["gpipe", "1f1b"], fast=["1f1b"]))
-def test_rng_per_data_shard_and_aux(schedule):
+@pytest.mark.parametrize("schedule,repeats", sweep(SCHEDULES, fast=[("1f1b", 1)]))
+def test_rng_per_data_shard_and_aux(schedule, repeats):
     """Issue 28 (7): every data shard drew the same key, and ``has_aux`` with
     data shards was refused. Shard ``d`` now folds its index in; aux
     statistics average over the shards, as `microbatch`'s ``aux_rows``."""
     from tests.pipeline import test_exact as tx
 
     mesh = mesh_of(data=2)
-    params, batch = md.make(4, rows=32)
+    params, batch = md.make(4 * repeats, rows=32)
     key = jax.random.key(3)
     ref = jax.jit(
         jax.value_and_grad(shard_reference, has_aux=True), static_argnums=(3, 4)
@@ -257,7 +279,7 @@ def test_rng_per_data_shard_and_aux(schedule):
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     fns = (md.first_fn, tx.dropout_stage, tx.noisy_loss)
     got = run(mesh, params, batch, 4, fns=fns, rng=key, schedule=schedule,
-              has_aux=True, data_axes="data")  # fmt: skip
+              repeats=repeats, has_aux=True, data_axes="data")  # fmt: skip
     md.assert_close(got, want, rtol=1e-5)
 
 
@@ -266,35 +288,40 @@ def rows_loss(lp, h, batch):
     return jnp.mean(err), {"err": err, "big": jnp.any(err > 1e9), "n": jnp.int32(1)}
 
 
-def test_aux_rows_over_data_shards():
+@pytest.mark.parametrize("schedule,repeats", sweep(SCHEDULES, fast=[("gpipe", 1)]))
+def test_aux_rows_over_data_shards(schedule, repeats):
     """Row-wise aux leaves are gathered over data shards (declared with
     ``aux_rows``); bool stays bool; undeclared row-length leaves raise."""
     mesh = mesh_of(data=2)
-    params, batch = md.make(4, rows=32)
+    params, batch = md.make(4 * repeats, rows=32)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
     fns = (md.first_fn, md.stage_fn, rows_loss)
     rows = {"err": True, "big": False, "n": False}
+    kw = {"schedule": schedule, "repeats": repeats}
     (_, aux), _ = run(mesh, params, sharded, 4, fns=fns, has_aux=True,
-                      data_axes="data", aux_rows=rows)  # fmt: skip
+                      data_axes="data", aux_rows=rows, **kw)  # fmt: skip
     assert aux["err"].shape == (4, 8) and aux["big"].dtype == jnp.bool_
     assert aux["n"].dtype == jnp.int32 and int(aux["n"][0]) == 2
-    (_, plain), _ = run(mesh_of(), params, batch, 4, fns=fns, has_aux=True)
+    (_, plain), _ = run(mesh_of(), params, batch, 4, fns=fns, has_aux=True, **kw)
     np.testing.assert_allclose(aux["err"], plain["err"], rtol=1e-5)
     assert plain["big"].dtype == jnp.bool_
     with pytest.raises(ValueError, match="`aux_rows`"):
-        run(mesh, params, sharded, 4, fns=fns, has_aux=True, data_axes="data")
+        run(mesh, params, sharded, 4, fns=fns, has_aux=True, data_axes="data", **kw)
 
 
 @pytest.mark.slow
-def test_reduction_sum_and_accumulator_dtype():
-    params, batch = md.make(4, rows=16)
+@pytest.mark.parametrize("schedule,repeats", SCHEDULES)
+def test_reduction_sum_and_accumulator_dtype(schedule, repeats):
+    params, batch = md.make(4 * repeats, rows=16)
+    kw = {"schedule": schedule, "repeats": repeats}
     want = loop_face(params, batch, 4, reduction="sum")
-    got = run(mesh_of(), params, batch, 4, reduction="sum")
+    got = run(mesh_of(), params, batch, 4, reduction="sum", **kw)
     md.assert_close(got, want, rtol=1e-5)
     wsum = loop_face(params, batch, 4, reduction="sum", weight_fn=md.weight_fn)
-    got = run(mesh_of(), params, batch, 4, reduction="sum", weight_fn=md.weight_fn)
+    got = run(mesh_of(), params, batch, 4, reduction="sum", weight_fn=md.weight_fn,
+              **kw)  # fmt: skip
     md.assert_close(got, wsum, rtol=1e-5)
-    got = run(mesh_of(), params, batch, 4, accumulator_dtype=None)
+    got = run(mesh_of(), params, batch, 4, accumulator_dtype=None, **kw)
     md.assert_close(got, loop_face(params, batch, 4), rtol=1e-5)
     with pytest.raises(TypeError, match="`accumulator_dtype`"):
         pl.value_and_grad(md.first_fn, md.stage_fn, md.loss_fn, 4,
@@ -343,14 +370,16 @@ def test_padding_microbatch_still_gives_its_aux(schedule, repeats, monkeypatch):
 
 
 @pytest.mark.slow
-def test_bf16_sums_on_a_mesh_with_other_axes():
+@pytest.mark.parametrize("schedule,repeats", SCHEDULES)
+def test_bf16_sums_on_a_mesh_with_other_axes(schedule, repeats):
     """bf16 gradient sums (``accumulator_dtype=None``) on a mesh with an axis
     besides the stage axis: XLA's CPU compiler aborted the process on main
     ("Invalid binary instruction opcode copy") in the partly manual loop."""
     mesh = mesh_of(data=2)
-    params, batch = md.make(4, rows=16)
+    params, batch = md.make(4 * repeats, rows=16)
     bf = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
-    got = run(mesh, bf, batch, 4, accumulator_dtype=None)
+    got = run(mesh, bf, batch, 4, accumulator_dtype=None, schedule=schedule,
+              repeats=repeats)  # fmt: skip
     assert got[1][1]["w"].dtype == jnp.bfloat16
     assert md.max_rel_error(got[1], want[1]) < 0.05

@@ -132,9 +132,10 @@ def dot_shapes(comps, names):
 
 
 def test_backward_split_in_hlo():
-    """The loop's switch has a branch per op: B has no weight gradient (no
-    ``[width, width]`` dot), W has it and recomputes no forward (B runs the
-    stage and the head forward again before its input gradient)."""
+    """The loop's switch has a branch per op: B has no stage weight gradient
+    (no ``[width, width]`` dot) but the head's and the embedding's; W is the
+    stage's weight gradient alone and recomputes no forward (B runs the stage
+    and the head forward again before its input gradient)."""
     width = 16
     low, _ = th.lowered("zb_h1", 8, rows=4, width=width)
     comps, _ = hlo.computations(low.compile().as_text())
@@ -148,7 +149,10 @@ def test_backward_split_in_hlo():
     weight = f"f32[{width},{width}]"
     assert weight not in b, b
     assert weight in w, w
-    assert f"f32[{width},2]" in w and f"f32[{width},2]" not in b  # the head's
+    # The head's weight gradient at B, with its forward; W is the stage's
+    # weight gradient alone.
+    assert f"f32[{width},2]" in b and f"f32[{width},2]" not in w, (b, w)
+    assert w == [weight], w
     # The head's forward ([rows, 2]) runs again at B, never at W.
     assert "f32[4,2]" in b and "f32[4,2]" not in w, (b, w)
 
