@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _checks, _dtypes, _reduction
+from .. import _checks, _dtypes, _reduction, _sharding
 from . import _schedule as sched
 from ._step import Pipeline
 
@@ -62,7 +62,7 @@ def _stages(pipe: Pipeline) -> int:
     return mesh.shape[pipe.stage_axis]
 
 
-def data_axes(pipe: Pipeline, mesh: Any) -> None:
+def _data_axes(pipe: Pipeline, mesh: Any) -> None:
     """The declared ``data_axes`` are axes of the mesh."""
     missing = [a for a in pipe.data_axes if a not in mesh.axis_names]
     if missing:
@@ -114,8 +114,9 @@ def _takes_key(pipe: Pipeline) -> None:
             return
 
 
-def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any):
-    """``(first, stage, last params, S)`` once the call is checked."""
+def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any, data_axes: tuple):
+    """``(first, stage, last params, S)`` once the call is checked, ``data_axes``
+    the declared (or guessed) data axes."""
     if not isinstance(params, (tuple, list)) or len(params) != 3:
         raise TypeError(
             "`params` must be `(first_params, stage_params, last_params)`, got "
@@ -135,7 +136,10 @@ def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any):
     _floating(params)
     if rng is not None:
         _takes_key(pipe)
-    _leading(batch, "batch")
+    mesh = jax.sharding.get_abstract_mesh()
+    if pipe.data_axes is not None:
+        _data_axes(pipe, mesh)
+    divisible(pipe, batch, data_axes, _sharding.mesh_size(mesh, data_axes))
     return fp, sp, lp, stages
 
 

@@ -110,12 +110,9 @@ def _views(batch: Any, m: int) -> Any:
 def data_axes_of(pipe: Pipeline, batch: Any) -> tuple[str, ...]:
     """The declared ``data_axes``; undeclared, the Explicit axes that shard
     the batch's rows, with a DeprecationWarning (guessing goes next release)."""
-    mesh = jax.sharding.get_abstract_mesh()
     if pipe.data_axes is not None:
-        _checks.data_axes(pipe, mesh)
-        return pipe.data_axes
-    rows = _sharding.row_axes(batch)
-    guessed = tuple(a for a in mesh.axis_names if a in rows and a != pipe.stage_axis)
+        return pipe.data_axes  # checked with the call (`_checks.check_call`)
+    guessed = _sharding.batch_axes(batch, exclude=(pipe.stage_axis,))
     if guessed:
         warnings.warn(
             f"the batch is sharded over {guessed} but `data_axes` is not given: "
@@ -180,10 +177,9 @@ def _body(pipe, table, shapes, data_axes, params, views, key):
 
 def call(pipe: Pipeline, params: Any, batch: Any, rng: Any = None):
     """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``)."""
-    fp, sp, lp, stages = _checks.check_call(pipe, params, batch, rng)
     data_axes = data_axes_of(pipe, batch)
+    fp, sp, lp, stages = _checks.check_call(pipe, params, batch, rng, data_axes)
     mesh = jax.sharding.get_abstract_mesh()
-    _checks.divisible(pipe, batch, data_axes, _sharding.mesh_size(mesh, data_axes))
     table = sched.schedule_table(
         pipe.schedule, stages, pipe.num_microbatches, pipe.repeats
     )
