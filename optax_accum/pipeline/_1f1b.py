@@ -26,9 +26,12 @@ from ._step import Cells, Local, fill, forward, no_grads, no_loss, ring, zeros
 LOSS_OP = sched.BACKWARD
 
 
-def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
+def arrivals(
+    table: sched.ScheduleTable, back: int = sched.BACKWARD
+) -> tuple[np.ndarray, np.ndarray]:
     """Per tick and device, the slot where the forward (backward) message
-    that arrives goes, or -1: what the device before (after) did last tick."""
+    that arrives goes, or -1: what the device before (after) did last tick.
+    ``back`` is the op that sends a cotangent back (ZB-H1's B: `INPUT`)."""
     ticks, stages = table.op.shape
     f_in = np.full((ticks, stages), -1, np.int32)
     b_in = np.full((ticks, stages), -1, np.int32)
@@ -36,7 +39,7 @@ def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
         for s in range(stages):
             if s > 0 and table.op[t - 1, s - 1] == sched.FORWARD:
                 f_in[t, s] = table.microbatch[t - 1, s - 1] % stages
-            if s < stages - 1 and table.op[t - 1, s + 1] == sched.BACKWARD:
+            if s < stages - 1 and table.op[t - 1, s + 1] == back:
                 b_in[t, s] = table.microbatch[t - 1, s + 1] % stages
     return f_in, b_in
 

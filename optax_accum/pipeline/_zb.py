@@ -27,31 +27,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .. import _sharding
 from . import _schedule as sched
+from ._1f1b import arrivals
 from ._step import Cells, Local, fill, forward, no_grads, no_loss, ring, zeros
 
 # The op of the slot where the last stage computes a micro-batch's loss.
 LOSS_OP = sched.INPUT
-
-
-def arrivals(table: sched.ScheduleTable) -> tuple[np.ndarray, np.ndarray]:
-    """Per tick and device, the slot where the forward (input-gradient)
-    message that arrives goes, or -1: what the device before (after) did
-    last tick."""
-    ticks, stages = table.op.shape
-    f_in = np.full((ticks, stages), -1, np.int32)
-    b_in = np.full((ticks, stages), -1, np.int32)
-    for t in range(1, ticks):
-        for s in range(stages):
-            if s > 0 and table.op[t - 1, s - 1] == sched.FORWARD:
-                f_in[t, s] = table.microbatch[t - 1, s - 1] % stages
-            if s < stages - 1 and table.op[t - 1, s + 1] == sched.INPUT:
-                b_in[t, s] = table.microbatch[t - 1, s + 1] % stages
-    return f_in, b_in
 
 
 def _store(buf: Any, slot: jax.Array, value: Any) -> Any:
@@ -181,7 +165,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable):
     fp, sp, lp = params
     params = (fp, jax.tree.map(lambda v: v[0], sp), lp)  # one stage each
     split = probe(ctx, params)
-    f_in, b_in = arrivals(table)
+    f_in, b_in = arrivals(table, sched.INPUT)
     cells = Cells((table.op, table.microbatch, f_in, b_in))
     branches = _branches(ctx, split)
 
