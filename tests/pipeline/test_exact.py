@@ -198,9 +198,13 @@ def pl_fold(key, m, j):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_rng_and_aux(schedule):
-    params, batch = md.make(4, rows=16)
+@pytest.mark.parametrize(
+    "schedule,repeats",
+    [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)],
+)
+def test_rng_and_aux(schedule, repeats):
+    """Stage ``j = r·S + s`` of micro-batch ``m`` draws ``fold(key, m, j)``."""
+    params, batch = md.make(4 * repeats, rows=16)
     key = jax.random.key(7)
     ref = jax.jit(
         jax.value_and_grad(per_microbatch_reference, has_aux=True), static_argnums=3
@@ -213,6 +217,7 @@ def test_rng_and_aux(schedule):
         batch,
         4,
         schedule=schedule,
+        repeats=repeats,
         fns=fns,
         has_aux=True,
         rng=key,

@@ -22,9 +22,6 @@ from tests.helpers.lanes import sweep
 from tests.pipeline import models as md
 from tests.pipeline import test_hlo as hlo_checks
 from tests.pipeline.test_exact import (
-    dropout_stage,
-    noisy_loss,
-    per_microbatch_reference,
     pipelined,
     reference,
     stage_mesh,
@@ -70,30 +67,6 @@ def test_nan_in_bubbles(monkeypatch):
     params, batch, want = reference(8, 8)
     got = pipelined(stage_mesh(4), params, batch, 4, schedule=SCHEDULE, repeats=2)
     md.assert_close(got, want, rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_rng_and_aux():
-    """Stage ``j = r·S + s`` of micro-batch ``m`` draws ``fold(key, m, j)``."""
-    params, batch = md.make(8, rows=16)
-    key = jax.random.key(7)
-    ref = jax.jit(
-        jax.value_and_grad(per_microbatch_reference, has_aux=True), static_argnums=3
-    )
-    want = ref(params, batch, key, 4)
-    got = pipelined(
-        stage_mesh(4),
-        params,
-        batch,
-        4,
-        schedule=SCHEDULE,
-        repeats=2,
-        fns=(md.first_fn, dropout_stage, noisy_loss),
-        has_aux=True,
-        rng=key,
-    )
-    md.assert_close(got, want, rtol=1e-5)
-    assert got[0][1]["loss"].shape == (4,)
 
 
 @pytest.mark.parametrize("schedule", sweep(["1f1b", "gpipe"], fast=["1f1b"]))

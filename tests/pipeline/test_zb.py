@@ -83,30 +83,6 @@ def test_nan_in_bubbles(monkeypatch):
 
 
 @pytest.mark.slow
-def test_rng_and_aux():
-    params, batch = md.make(4, rows=16)
-    key = jax.random.key(7)
-    ref = jax.jit(
-        jax.value_and_grad(te.per_microbatch_reference, has_aux=True),
-        static_argnums=3,
-    )
-    want = ref(params, batch, key, 4)
-    fns = (md.first_fn, te.dropout_stage, te.noisy_loss)
-    got = te.pipelined(
-        te.stage_mesh(4),
-        params,
-        batch,
-        4,
-        schedule="zb_h1",
-        fns=fns,
-        has_aux=True,
-        rng=key,
-    )
-    md.assert_close(got, want, rtol=1e-5)
-    assert got[0][1]["loss"].shape == (4,)
-
-
-@pytest.mark.slow
 def test_sharded_batch_explicit():
     """Rows placed over ``data`` on the mesh: the same numbers."""
     mesh = te.stage_mesh(4, data=2)
