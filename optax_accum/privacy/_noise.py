@@ -68,8 +68,12 @@ def _noised(g: Any, key: jax.Array, stddev: float, b: float) -> Any:
     dtype = _dtypes.compute(g.dtype)
     if stddev == 0:  # no noise: nothing to draw
         return (g.astype(dtype) / jnp.asarray(b, dtype)).astype(g.dtype)
-    spec = _sharding.explicit_spec(g)
-    sharding = spec if _sharding.used_axes(spec) else None
+    # On an Explicit mesh, the noise is typed with the gradient's sharding and
+    # each device draws its own shard (threefry is partitionable); elsewhere
+    # (an Auto mesh) XLA propagates the sharding from the add.
+    sharding = None
+    if _sharding.used_axes(_sharding.explicit_spec(g)):
+        sharding = jax.typeof(g).sharding
     noise = jax.random.normal(key, g.shape, dtype, out_sharding=sharding)
     out = (g.astype(dtype) + jnp.asarray(stddev, dtype) * noise) / jnp.asarray(b, dtype)
     return out.astype(g.dtype)

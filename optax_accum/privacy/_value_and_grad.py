@@ -145,10 +145,16 @@ def _clipped(loss, c, k, idx, has_aux, mask_fn, params, *args):
         rows = _rows(batch, k)
         split = jax.tree.map(functools.partial(_split, k=k), batch)
         rest = [x for j, x in enumerate(full) if j != 0 and j not in idx]
+        # Inside shard_map: each device differentiates its own examples. With
+        # parameters that do not vary, jax.grad would psum each per-example
+        # gradient over the devices (mixing examples) before the clip.
+        axes = _varying_axes(batch)
+        params = _sharding.to_varying(params, axes)
         step = functools.partial(_microbatch, loss, c, idx, has_aux, mask_fn)
         acc = jax.tree.map(_buffer, params)
         vtype = jnp.promote_types(_dtypes.weight_dtype(params), jnp.float32)
         carry = (acc, jnp.zeros([], vtype), jnp.zeros([], jnp.int32))
+        carry = _sharding.to_varying(carry, axes)
 
         def body(carry, mb):
             acc, total, count = carry
@@ -177,7 +183,7 @@ def _microbatch(loss, c, idx, has_aux, mask_fn, params, rest, mb):
 
     def skip(params, rest, mb, mask):
         del params, rest, mb, mask
-        return jax.tree.map(lambda s: _sharding.zeros_for(s, s.dtype), shapes)
+        return jax.tree.map(_zeros, shapes)
 
     compute = functools.partial(_compute, loss, c, idx, has_aux)
     out = lax.cond(jnp.any(mask), compute, skip, params, rest, mb, mask)
@@ -289,6 +295,25 @@ def _split(x, k):
 def _unsplit(a, rows):
     """`_split` undone for a per-row output ``(k, B/k, ...)``."""
     return jnp.swapaxes(a, 0, 1).reshape(rows, *a.shape[2:])
+
+
+def _zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros typed as ``s``: its sharding on an Explicit mesh (given as a
+    NamedSharding, so no mesh context is needed), its varying manual axes."""
+    sharding = s.sharding if _sharding.used_axes(_sharding.explicit_spec(s)) else None
+    return _sharding.match_varying(
+        jnp.zeros(s.shape, s.dtype, out_sharding=sharding), s
+    )
+
+
+def _varying_axes(batch) -> tuple:
+    """The manual (``shard_map``) axes some leaf of the batch varies over."""
+    axes: set = set()
+    for x in jax.tree.leaves(batch):
+        if isinstance(x, jax.Array | jax.core.Tracer):
+            mat = getattr(jax.typeof(x), "mat", None)
+            axes |= set(getattr(mat, "varying", None) or ())
+    return tuple(sorted(axes))
 
 
 def _buffer(p):
