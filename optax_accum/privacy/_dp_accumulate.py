@@ -125,6 +125,28 @@ def dp_accumulate(
       >>> u, state = tx.update({"w": jnp.array([1.0, 2.0])}, state, params)
       >>> u["w"]  # -(sum of the window) / 4
       Array([-0.5, -1. ], dtype=float32)
+
+      The fused form in a Flax nnx step: the logical batch of 32 clipped in 4
+      micro-batches of 8, noised once, in one compiled step.
+
+      >>> from flax import nnx
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+      >>> tx = privacy.dp_accumulate(
+      ...     optax.adam(1e-3), 1, l2_clip_norm=1.0, noise_multiplier=1.1,
+      ...     expected_batch_size=32, key=jax.random.key(0))
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, x, y):
+      ...     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      ...     def loss_fn(params, x, y):  # x, y: one example, as a batch of one
+      ...         pred = nnx.merge(graphdef, params, rest)(x)
+      ...         return jnp.mean((pred - y) ** 2)
+      ...     vg = privacy.clipped_value_and_grad(
+      ...         loss_fn, 1.0, 4, batch_argnums=(1, 2))
+      ...     loss, grads = vg(params, x, y)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> loss = train_step(model, optimizer, jnp.ones((32, 3)), jnp.zeros((32, 1)))
     """
     _checks.optimizer(inner, "inner")
     c = _privacy_checks.clip_norm(l2_clip_norm)
