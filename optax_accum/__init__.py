@@ -12,6 +12,7 @@ own: ``optax_accum.flax`` (Flax train steps), ``optax_accum.distributed``
 from importlib.metadata import PackageNotFoundError, version
 
 from . import pipeline as pipeline
+from . import privacy as privacy
 from ._accumulate import AccumulateState as AccumulateState
 from ._accumulate import MultiSteps as MultiSteps
 from ._accumulate import MultiStepsState as MultiStepsState

@@ -69,6 +69,9 @@ VARIABLES = {
     "bad_device": (False, True),
 }
 
+# The privacy wing's face (`privacy.clipped_value_and_grad`): its own cells
+# (`matrix.privacy_cells`), beside the covering array of `FACES`.
+PRIVACY_FACES = ("privacy",)
 STREAM_FACES = ("accumulate", "multisteps")  # one micro-batch per call
 # k micro-batches per call
 LOOP_FACES = ("microbatch", "loss", "nnx", "linen", *PIPELINE_FACES)

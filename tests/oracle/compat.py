@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 
 from . import table
-from .cells import FACES, MODES, VARIABLES, Cell
+from .cells import FACES, MODES, PRIVACY_FACES, VARIABLES, Cell
 
 FACE_NAMES = {
     "accumulate": "`accumulate`",
@@ -30,6 +30,7 @@ FACE_NAMES = {
     "pipe-circular": '`pipeline.value_and_grad` (`"circular"`)',
     "pipe-interleaved": '`pipeline.value_and_grad` (`"interleaved_1f1b"`)',
     "pipe-zb": '`pipeline.value_and_grad` (`"zb_h1"`)',
+    "privacy": "`privacy.clipped_value_and_grad`",
 }
 MODE_NAMES = {
     "single": "one device",
@@ -79,7 +80,7 @@ def markdown() -> str:
     """The table, in Markdown."""
     head = "| face | option | " + " | ".join(MODE_NAMES[m] for m in MODES) + " |"
     lines = [head, "|" + " --- |" * (len(MODES) + 2)]
-    for face in FACES:
+    for face in (*FACES, *PRIVACY_FACES):
         rows = [(OPTION_NAMES[o], o, False) for o in VARIABLES["option"]]
         rows.append(("weights", "none", True))
         for name, option, weighted in rows:

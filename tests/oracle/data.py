@@ -162,3 +162,11 @@ def units(cell: Cell, inputs: Inputs, t: int, w: np.ndarray) -> list[Unit]:
             u = None if keys is None else uniform(keys[i, d], cell.dim, cell.dtype)
             out.append(_unit(cell, c[sel], m[sel], w, u, share if local else 1.0))
     return out
+
+
+def examples(cell: Cell, inputs: Inputs, t: int, w: np.ndarray):
+    """The privacy face's rows of call ``t``: each row's gradient (its ``c``:
+    the token-mean loss of one row is ``c . w``), loss, and whether it is a
+    real example (weight > 0; padding has weight 0)."""
+    c, m = inputs.c[t], inputs.m[t]
+    return c, c @ w, m > 0

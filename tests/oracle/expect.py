@@ -76,6 +76,24 @@ def loop(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
     return result
 
 
+def privacy(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
+    """Per call: the pre-noise sum and the mean loss over real examples."""
+    from .adapt_privacy import CLIP_NORM
+
+    steps = []
+    for t in range(len(inputs.m)):
+        grads, values, real = data.examples(cell, inputs, t, inputs.w0)
+        grad, value = model.clipped_sum(grads, values, real, CLIP_NORM)
+        with np.errstate(invalid="ignore"):
+            scale = (
+                float(np.nan_to_num(np.mean(np.abs(values[real]))))
+                if real.any()
+                else 0.0
+            )
+        steps.append({"value": value, "grad": grad, "value_scale": scale})
+    return {"steps": steps}
+
+
 def aux(cell: Cell, inputs: data.Inputs, t: int, w: np.ndarray) -> dict[str, Any]:
     """``fun``'s aux per micro-batch: its token-mean features and per-row
     losses (per device of a mapped axis). In the device-local mode the

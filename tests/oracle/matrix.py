@@ -20,10 +20,11 @@ import random
 from allpairspy import AllPairs
 
 from . import table
-from .cells import PIPELINE_FACES, VARIABLES, Cell
+from .cells import KS, PIPELINE_FACES, PRIVACY_FACES, VARIABLES, Cell
 
 FAST = 30  # cells in the fast lane
 FAST_PIPELINE = 1  # and of each pipeline face's
+FAST_PRIVACY = 2  # and of the privacy face's
 SEED = 20
 
 
@@ -335,6 +336,46 @@ EXPLICIT = (
 )
 
 
+# The privacy face's variables: it sums (reduction), in the promoted dtype
+# (acc), and ignores the inner optimizer (dp_accumulate runs it).
+PRIVACY_VARIABLES = {
+    "mode": ("single", "global", "axis_name"),
+    "weights": ("none", "zeros"),
+    "k": KS,
+    "dtype": VARIABLES["dtype"],
+    "nan_grad": (False, True),
+    "bad_device": (False, True),
+}
+PRIVACY_EXPLICIT = (
+    # A device whose part of a micro-batch is all padding skips it (lax.cond
+    # per device); the other devices' parts count.
+    _c("privacy", "axis_name", "sum", "zeros", 2, "f32", "promote", "none",
+       bad_device=True, nan_grad=True),
+    # k = 1: the only micro-batch of the first call is all padding.
+    _c("privacy", "global", "sum", "zeros", 1, "f64", "promote", "none"),
+    # Refused by name: weights, integer parameters.
+    _c("privacy", "single", "sum", "counts", 2, "f32", "promote", "none"),
+    _c("privacy", "axis_name", "sum", "nan", 3, "bf16", "promote", "none"),
+    _c("privacy", "global", "sum", "none", 2, "f32", "promote", "float0"),
+    # NaN examples (real, not padding): their entries count as 0.
+    _c("privacy", "single", "sum", "none", 8, "bf16", "promote", "none", nan_grad=True),
+)  # fmt: skip
+
+
+@functools.cache
+def privacy_cells() -> tuple[Cell, ...]:
+    """The privacy face's all-pairs cells over `PRIVACY_VARIABLES`, and
+    `PRIVACY_EXPLICIT`."""
+    order = list(PRIVACY_VARIABLES)
+    rows = AllPairs(list(PRIVACY_VARIABLES.values()))
+    cells = [
+        Cell(face=PRIVACY_FACES[0], reduction="sum", acc="promote",
+             option="none", **dict(zip(order, r, strict=True)))
+        for r in rows
+    ]  # fmt: skip
+    return tuple(dict.fromkeys((*cells, *PRIVACY_EXPLICIT)))
+
+
 def twins() -> tuple[Cell, ...]:
     """Each covering cell again with other values only (another seed, the
     NaN rows and the device of the bad pattern flipped): the same structure,
@@ -350,7 +391,7 @@ def twins() -> tuple[Cell, ...]:
 @functools.cache
 def all_cells() -> tuple[Cell, ...]:
     seen, out = set(), []
-    for cell in (*covering(), *EXPLICIT, *twins()):
+    for cell in (*covering(), *EXPLICIT, *twins(), *privacy_cells()):
         if cell not in seen and table.applicable(cell):
             seen.add(cell)
             out.append(cell)
@@ -362,7 +403,11 @@ def fast() -> tuple[Cell, ...]:
     """A seeded sample, without the k = 1024 cells; each pipeline face
     sampled apart (`FAST_PIPELINE` cells of each, its schedules being the
     slowest cells), so that the fast lane always holds every schedule."""
-    pool = [c for c in all_cells() if c.k <= 8 and not c.pipeline]
+    pool = [
+        c
+        for c in all_cells()
+        if c.k <= 8 and not c.pipeline and c.face not in PRIVACY_FACES
+    ]
     pipes = [
         random.Random(SEED).sample(
             [c for c in all_cells() if c.face == face], FAST_PIPELINE
@@ -370,7 +415,8 @@ def fast() -> tuple[Cell, ...]:
         for face in PIPELINE_FACES
     ]
     chosen = random.Random(SEED).sample(pool, FAST)
-    return tuple(chosen + list(itertools.chain.from_iterable(pipes)))
+    private = random.Random(SEED).sample(privacy_cells(), FAST_PRIVACY)
+    return tuple(chosen + list(itertools.chain.from_iterable(pipes)) + private)
 
 
 def slow() -> tuple[Cell, ...]:

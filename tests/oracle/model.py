@@ -19,7 +19,11 @@ of `accumulate`, `microbatch`, `has_updated`, `skip_not_finite`,
   zeros and is not an update; ``has_updated`` is "this call emitted an
   update";
 - the noise statistics of McCandlish et al. (B_small = W / n, B_big = W);
-- ``aux`` stacked per micro-batch.
+- ``aux`` stacked per micro-batch;
+- the privacy face (`privacy.clipped_value_and_grad`): the sum over real
+  examples of each example's gradient, non-finite entries set to 0, clipped
+  to L2 norm C; the mean loss over real examples (0 when there are none);
+  padding contributes nothing, whatever its values.
 """
 
 from __future__ import annotations
@@ -243,3 +247,20 @@ def skip_not_finite(g: np.ndarray) -> bool:
 
 def skip_large_updates(max_norm: float) -> Callable[[np.ndarray], bool]:
     return lambda g: not bool(np.sqrt(g @ g) <= max_norm)
+
+
+# ---- the privacy face: per-example clipping ----------------------------------
+
+
+def clipped_sum(
+    grads: np.ndarray, values: np.ndarray, real: np.ndarray, c: float
+) -> tuple[np.ndarray, float]:
+    """``(sum of clipped gradients, mean loss)`` over the rows where ``real``;
+    ``grads`` (rows, D) and ``values`` (rows,) in float64."""
+    g = np.nan_to_num(grads[real], nan=0.0, posinf=0.0, neginf=0.0)
+    norm = np.sqrt(np.sum(g * g, axis=1))
+    with np.errstate(divide="ignore"):
+        scale = np.minimum(1.0, c / norm)
+    total = np.sum(g * scale[:, None], axis=0) if len(g) else np.zeros(grads.shape[1])
+    value = float(np.mean(values[real])) if real.any() else 0.0
+    return total, value

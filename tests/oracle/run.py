@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 
 from . import adapt_loop, adapt_stream, compare, data, expect, table
-from .cells import Cell
+from .cells import PRIVACY_FACES, Cell
 
 
 def _adapter(cell: Cell):
+    if cell.face in PRIVACY_FACES:
+        from . import adapt_privacy
+
+        return adapt_privacy.run
     if cell.stream:
         return adapt_stream.run
     if cell.face in ("nnx", "linen"):
@@ -34,5 +38,10 @@ def run_cell(cell: Cell) -> None:
         assert named, f"refused without naming {wanted}: {message!r}"
         return
     got = run(cell, inputs)
-    want = expect.stream(cell, inputs) if cell.stream else expect.loop(cell, inputs)
+    if cell.face in PRIVACY_FACES:
+        want = expect.privacy(cell, inputs)
+    elif cell.stream:
+        want = expect.stream(cell, inputs)
+    else:
+        want = expect.loop(cell, inputs)
     compare.check(cell, got, want)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .cells import LOOP_FACES, PIPELINE_FACES, STREAM_FACES, Cell
+from .cells import LOOP_FACES, PIPELINE_FACES, PRIVACY_FACES, STREAM_FACES, Cell
 
 
 class Rule(NamedTuple):
@@ -70,6 +70,35 @@ NOT_APPLICABLE = (
         "data_axes declares fun row-independent; a clipped gradient is not",
         option=("clip",),
         mode=("data_axes",),
+    ),
+    # The privacy face: sums of clipped per-example gradients, in at least
+    # float32; the noise, the division by the expected batch size and the
+    # per-call options are dp_accumulate's (tests/privacy).
+    _rule((), "the privacy face sums", face=PRIVACY_FACES, reduction=("mean",)),
+    _rule(
+        (),
+        "its sums are in the promoted dtype",
+        face=PRIVACY_FACES,
+        acc=("none", "f32"),
+    ),
+    _rule(
+        (), "not driven by the oracle", face=PRIVACY_FACES, mode=("pmap", "data_axes")
+    ),
+    _rule(
+        (),
+        "dp_accumulate's options, or not the privacy face's (per-example aux: "
+        "tests/privacy)",
+        face=PRIVACY_FACES,
+        option=(
+            "skip_fn",
+            "skip_large",
+            "close",
+            "schedule",
+            "noise",
+            "rng",
+            "clip",
+            "has_aux",
+        ),
     ),
 )
 
@@ -175,6 +204,27 @@ REFUSED = (
         "k a multiple of S",
         face=("pipe-circular", "pipe-interleaved"),
         k=(1, 3),
+    ),
+    _rule(
+        ("weight_fn",),
+        "a row is an example or padding (example_mask_fn): no weights",
+        "padding rows",
+        face=PRIVACY_FACES,
+        weights=("counts", "nan", "negative"),
+    ),
+    _rule(
+        ("`params`",),
+        "the privacy face differentiates every parameter leaf",
+        "floating parameters",
+        face=PRIVACY_FACES,
+        option=("float0",),
+    ),
+    _rule(
+        ("`params`",),
+        "the privacy face differentiates every parameter leaf",
+        "floating parameters",
+        face=PRIVACY_FACES,
+        int_param=(True,),
     ),
     _rule(
         ("weight",),

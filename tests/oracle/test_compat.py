@@ -46,3 +46,12 @@ def test_a_cell_is_refused_by_the_rules_that_match_it():
         "multisteps", "axis_name", "mean", "counts", 2, "f32", "promote", "none"
     )
     assert {r.names for r in table.refusals(cell)} == {("weight",), ("axis_name",)}
+
+
+def test_table_has_the_privacy_face():
+    assert compat.status("privacy", "axis_name", "none") == "yes"
+    assert compat.status("privacy", "single", "float0") == "refused"
+    assert compat.status("privacy", "global", "none", weighted=True) == (
+        "yes (padding rows)"
+    )
+    assert compat.status("privacy", "pmap", "none") == ""

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The Gaussian mechanism on a window's sum: noise once, then normalise.
+
+`add_noise` is the transformation `dp_accumulate` chains before ``inner``:
+the accumulation engine calls it only on a boundary, on the window's sum
+(already reduced over devices), so each logical batch gets exactly one draw.
+The key is in the state; window ``t`` draws from ``fold_in(key, t)``, and leaf
+``i`` of the gradient tree from ``fold_in(that, i)``, so a window's noise
+depends on the key and the window's index only: not on how the window was
+split into calls, not on the device count, not on the sharding (JAX's
+partitionable threefry draws each shard where it lives).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import _dtypes, _sharding
+
+
+class DPNoiseState(NamedTuple):
+    """State of the noise step of `dp_accumulate`.
+
+    Attributes:
+      key: uint32, the raw data of the noise key (any checkpointer stores it;
+        the key's implementation is part of the transformation).
+      windows: int32, the windows noised so far: the next window draws from
+        ``fold_in(key, windows)``.
+    """
+
+    key: jax.Array
+    windows: jax.Array
+
+
+def add_noise(
+    stddev: float, expected_batch_size: float, key_data: jax.Array, impl: Any
+) -> optax.GradientTransformation:
+    """``(g + N(0, stddev^2)) / expected_batch_size``, a fresh draw per call."""
+
+    def init_fn(params: optax.Params) -> DPNoiseState:
+        del params
+        return DPNoiseState(jnp.asarray(key_data), jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        key = jax.random.fold_in(
+            jax.random.wrap_key_data(state.key, impl=impl), state.windows
+        )
+        leaves, treedef = jax.tree.flatten(updates)
+        noised = [
+            _noised(g, jax.random.fold_in(key, i), stddev, expected_batch_size)
+            for i, g in enumerate(leaves)
+        ]
+        new_state = DPNoiseState(state.key, state.windows + 1)
+        return jax.tree.unflatten(treedef, noised), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _noised(g: Any, key: jax.Array, stddev: float, b: float) -> Any:
+    if _dtypes.is_float0(g):
+        return g
+    dtype = _dtypes.compute(g.dtype)
+    if stddev == 0:  # no noise: nothing to draw
+        return (g.astype(dtype) / jnp.asarray(b, dtype)).astype(g.dtype)
+    # On an Explicit mesh, the noise is typed with the gradient's sharding and
+    # each device draws its own shard (threefry is partitionable); elsewhere
+    # (an Auto mesh) XLA propagates the sharding from the add.
+    sharding = None
+    if _sharding.used_axes(_sharding.explicit_spec(g)):
+        sharding = jax.typeof(g).sharding
+    noise = jax.random.normal(key, g.shape, dtype, out_sharding=sharding)
+    out = (g.astype(dtype) + jnp.asarray(stddev, dtype) * noise) / jnp.asarray(b, dtype)
+    return out.astype(g.dtype)

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""The DP step on 8 CPU devices: data parallel (``shard_map`` with
+``axis_name``, and a global-view mesh) and FSDP give the one-device update
+for the same key: the noise is drawn once, not once per device, and
+replicated parameters stay identical."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum import privacy
+
+from .reference import data, loss
+
+N, C, B, SIGMA, K = 8, 1.0, 64.0, 2.0, 2
+
+
+def _tx(axis_name=None, sigma=SIGMA):
+    return privacy.dp_accumulate(
+        optax.adam(0.1), K, l2_clip_norm=C, noise_multiplier=sigma,
+        expected_batch_size=B, key=jax.random.key(11), axis_name=axis_name,
+    )  # fmt: skip
+
+
+_vg = privacy.clipped_value_and_grad(loss, C, 2, batch_argnums=(1, 2))
+
+
+def _one_device(params, xs, ys, sigma=SIGMA):
+    tx = _tx(sigma=sigma)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    for x, y in zip(xs, ys, strict=True):
+        params, state = step(params, state, x, y)
+    return params
+
+
+def _batches(dim=3):
+    params, x, y = data(rows=2 * K * 32, dim=dim, scale=2.0)
+    return params, np.split(x, 2 * K), np.split(y, 2 * K)  # two windows of K calls
+
+
+def _close(a, b, rtol=1e-5):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=1e-6)
+
+
+def test_shard_map_axis_name_equals_one_device_and_params_stay_identical():
+    params, xs, ys = _batches()
+    mesh = jax.make_mesh((N,), ("d",))
+    tx = _tx(axis_name="d")
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)  # this device's clipped sum
+        p = optax.apply_updates(p, u)
+        return p, s, jax.tree.map(lambda a: a[None], p)  # each device's copy
+
+    step = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, P("d"), P("d")),
+            out_specs=(P(), specs, P("d")),
+        )
+    )  # fmt: skip
+    state, p = init(params), params
+    shard = NamedSharding(mesh, P("d"))
+    for x, y in zip(xs, ys, strict=True):
+        p, state, copies = step(
+            p, state, jax.device_put(x, shard), jax.device_put(y, shard)
+        )
+    for leaf in jax.tree.leaves(copies):  # every device holds the same params
+        np.testing.assert_array_equal(
+            np.asarray(leaf), np.asarray(leaf)[:1].repeat(N, 0)
+        )
+    _close(p, _one_device(params, xs, ys))
+    # the noise is the one device's, not N draws: its scale is sigma C / B
+    noiseless = _one_device(params, xs, ys, sigma=0.0)
+    assert not np.allclose(np.asarray(p["w"]), np.asarray(noiseless["w"]))
+
+
+def test_global_view_data_parallel_equals_one_device():
+    params, xs, ys = _batches()
+    mesh = jax.make_mesh((N,), ("d",))
+    tx = _tx()
+    state = tx.init(params)
+    shard = NamedSharding(mesh, P("d"))
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    p = params
+    for x, y in zip(xs, ys, strict=True):
+        p, state = step(p, state, jax.device_put(x, shard), jax.device_put(y, shard))
+    _close(p, _one_device(params, xs, ys))
+
+
+def test_fsdp_noise_in_each_shard_equals_one_device_without_gather():
+    dim = 2 * N
+    params, xs, ys = _batches(dim)
+    mesh = jax.make_mesh((N,), ("d",))
+    fsdp = {"w": NamedSharding(mesh, P("d")), "b": NamedSharding(mesh, P())}
+    tx = _tx()
+    sharded = jax.device_put(params, fsdp)
+    state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, sharded))(
+        sharded
+    )
+    assert state.accumulator["w"].sharding.spec == P("d")
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    p = sharded
+    with jax.set_mesh(mesh):  # the library's convention on an Explicit mesh
+        for x, y in zip(xs, ys, strict=True):
+            p, state = step(p, state, x, y)
+        # the update alone (accumulate, noise, Adam) gathers nothing
+        g = jax.device_put(jax.tree.map(jnp.ones_like, params), fsdp)
+        hlo = jax.jit(tx.update).lower(g, state, p).compile().as_text()
+    assert p["w"].sharding.spec == P("d")
+    _close(p, _one_device(params, xs, ys))
+    assert "all-gather" not in hlo, [
+        line for line in hlo.splitlines() if "all-gather" in line
+    ]
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_fsdp_noise_is_drawn_shard_by_shard(axis_type):
+    # The threefry bits are generated per shard (u32[D / N]); a replicated draw
+    # followed by a slice would generate u32[D] on every device.
+    d = 4096
+    mesh = jax.make_mesh((N,), ("d",), axis_types=(getattr(AxisType, axis_type),))
+    tx = privacy.dp_accumulate(
+        optax.sgd(1.0), 1, l2_clip_norm=C, noise_multiplier=SIGMA,
+        expected_batch_size=B, key=jax.random.key(0),
+    )  # fmt: skip
+    with jax.set_mesh(mesh):
+        p = jax.device_put({"w": jnp.zeros(d)}, NamedSharding(mesh, P("d")))
+        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
+        hlo = jax.jit(tx.update).lower(p, state, p).compile().as_text()
+        u, _ = jax.jit(tx.update)(p, state, p)
+    sizes = {int(n) for n in re.findall(r"u32\[(\d+)\]", hlo)}
+    assert d // N in sizes and d not in sizes, sizes
+    assert "all-gather" not in hlo
+    one = tx.update({"w": jnp.zeros(d)}, tx.init({"w": jnp.zeros(d)}), None)[0]
+    np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(one["w"]))

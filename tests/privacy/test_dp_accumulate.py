@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""`privacy.dp_accumulate`: the noise once per window, its scale, its key, the
+noiseless path against a float64 reference, hold steps and errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optax_accum import privacy
+
+from .reference import clipped_sum, data, loss
+
+C, B, SIGMA = 1.0, 16.0, 1.5
+
+
+def _tx(inner=None, k=1, sigma=SIGMA, key=None, **kw):
+    return privacy.dp_accumulate(
+        inner or optax.sgd(1.0), k, l2_clip_norm=C, noise_multiplier=sigma,
+        expected_batch_size=B, key=jax.random.key(7) if key is None else key, **kw,
+    )  # fmt: skip
+
+
+def _run(tx, params, x, y, calls, k_per_call):
+    """Feeds the batch in ``calls`` calls, each clipped in ``k_per_call``
+    micro-batches; returns the updates of every call and the state."""
+    vg = privacy.clipped_value_and_grad(loss, C, k_per_call, batch_argnums=(1, 2))
+    state = tx.init(params)
+    out = []
+    step = jax.jit(lambda p, s, x, y: tx.update(vg(p, x, y)[1], s, p))
+    for xs, ys in zip(np.split(x, calls), np.split(y, calls), strict=True):
+        u, state = step(params, state, xs, ys)
+        out.append(u)
+    return out, state
+
+
+def _noise_draw(key, window, params):
+    """The standard normal draw of window ``window``: leaf ``i`` from
+    ``fold_in(fold_in(key, window), i)``."""
+    k = jax.random.fold_in(key, window)
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [jax.random.normal(jax.random.fold_in(k, i), np.shape(p))
+         for i, p in enumerate(leaves)],
+    )  # fmt: skip
+
+
+def test_noiseless_equals_clipped_sum_over_b_through_adam_float64():
+    params, x, y = data(rows=32, scale=2.0)
+    lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
+    tx = _tx(optax.adam(lr, b1, b2, eps), k=2, sigma=0.0)
+    updates, _ = _run(tx, params, x, y, calls=4, k_per_call=2)
+    # float64 Adam over the two windows' clipped sums / B
+    m = v = {"w": np.zeros(3), "b": np.zeros(())}
+    for t, (lo, hi) in enumerate([(0, 16), (16, 32)], start=1):
+        _, g = clipped_sum(params, x[lo:hi], y[lo:hi], C)
+        g = {n: np.asarray(a) / B for n, a in g.items()}
+        m = {n: b1 * m[n] + (1 - b1) * g[n] for n in g}
+        v = {n: b2 * v[n] + (1 - b2) * g[n] ** 2 for n in g}
+        c1, c2 = 1 - b1**t, 1 - b2**t
+        ref = {n: -lr * (m[n] / c1) / (np.sqrt(v[n] / c2) + eps) for n in g}
+        emitted = updates[2 * t - 1]
+        for n in ref:
+            np.testing.assert_allclose(emitted[n], ref[n], rtol=1e-5, atol=1e-6)
+        hold = updates[2 * t - 2]
+        assert all(np.all(np.asarray(h) == 0) for h in jax.tree.leaves(hold))
+
+
+@pytest.mark.parametrize(
+    "calls, k_per_call, every_k", [(1, 4, 1), (4, 1, 4), (2, 2, 2)]
+)
+def test_noise_is_one_draw_however_the_window_is_split(calls, k_per_call, every_k):
+    params, x, y = data(rows=16, scale=2.0)
+    key = jax.random.key(3)
+    noisy, _ = _run(_tx(k=every_k, key=key), params, x, y, calls, k_per_call)
+    clean, _ = _run(_tx(k=every_k, key=key, sigma=0.0), params, x, y, calls, k_per_call)
+    draw = _noise_draw(key, 0, params)
+    for a, b, z in zip(*(jax.tree.leaves(t) for t in (noisy[-1], clean[-1], draw)),
+                       strict=True):  # fmt: skip
+        # sgd(1.0): the update is minus the gradient
+        np.testing.assert_allclose(
+            np.asarray(a) - np.asarray(b), -SIGMA * C / B * np.asarray(z),
+            rtol=1e-4, atol=1e-6,
+        )  # fmt: skip
+    for u in noisy[:-1]:  # hold steps: exact zeros, no noise
+        assert all(np.all(np.asarray(h) == 0) for h in jax.tree.leaves(u))
+
+
+def test_each_window_draws_fresh_noise_and_a_key_repeats_a_run():
+    params = {"w": jnp.zeros(64)}
+    tx = _tx(k=1)
+    state = tx.init(params)
+    zeros = {"w": jnp.zeros(64)}
+    u0, state = tx.update(zeros, state, params)
+    u1, state = tx.update(zeros, state, params)
+    assert not np.allclose(u0["w"], u1["w"])
+    again = tx.init(params)
+    v0, _ = tx.update(zeros, again, params)
+    np.testing.assert_array_equal(u0["w"], v0["w"])
+
+
+def test_empirical_std_over_200_keys():
+    params = {"w": jnp.zeros(512), "b": jnp.zeros(())}
+    tx = _tx(k=1)
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    def noise(key_data):
+        noise_state, inner = state.inner_state
+        s = state._replace(inner_state=(noise_state._replace(key=key_data), inner))
+        return -tx.update(zeros, s, params)[0]["w"]  # sgd(1.0)
+
+    keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(200))
+    draws = np.asarray(jax.jit(jax.vmap(noise))(keys))
+    # one element's 200 draws, and all of them
+    target = SIGMA * C / B
+    assert abs(draws[:, 0].std() / target - 1) < 0.1
+    assert abs(draws.std() / target - 1) < 0.01
+    assert abs(draws.mean()) < 0.01 * target
+
+
+def test_raw_uint32_key_equals_typed_key():
+    params = {"w": jnp.zeros(8)}
+    g = {"w": jnp.ones(8)}
+    typed = _tx(key=jax.random.key(5))
+    raw = _tx(key=jax.random.PRNGKey(5))
+    a = typed.update(g, typed.init(params), params)[0]["w"]
+    b = raw.update(g, raw.init(params), params)[0]["w"]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_close_window_noises_a_partial_window_once():
+    params, x, y = data(rows=8)
+    key = jax.random.key(1)
+    vg = privacy.clipped_value_and_grad(loss, C, 1, batch_argnums=(1, 2))
+    for sigma in (SIGMA, 0.0):
+        tx = _tx(k=4, key=key, sigma=sigma)
+        state = tx.init(params)
+        _, state = tx.update(vg(params, x[:4], y[:4])[1], state, params)
+        u, state = tx.update(vg(params, x[4:], y[4:])[1], state, params,
+                             close_window=True)  # fmt: skip
+        if sigma:
+            noisy = u
+    _, ref = clipped_sum(params, x, y, C)
+    draw = _noise_draw(key, 0, params)
+    for a, r, z in zip(*(jax.tree.leaves(t) for t in (noisy, ref, draw)), strict=True):
+        np.testing.assert_allclose(
+            -np.asarray(a), (r + SIGMA * C * np.asarray(z)) / B, rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"l2_clip_norm": 0.0}, ValueError, "`l2_clip_norm` must be finite and > 0"),
+        ({"l2_clip_norm": -1}, ValueError, "`l2_clip_norm`.*-1"),
+        ({"noise_multiplier": -0.5}, ValueError, "`noise_multiplier`.*-0.5"),
+        ({"noise_multiplier": float("nan")}, ValueError, "`noise_multiplier`"),
+        ({"expected_batch_size": 0.5}, ValueError, "`expected_batch_size`.*0.5"),
+        ({"expected_batch_size": 0}, ValueError, "`expected_batch_size`.*got 0"),
+        ({"key": 0}, TypeError, "`key` must be a PRNG key.*got 0"),
+        ({"key": np.zeros(2, np.int32)}, TypeError, "`key` must be a PRNG key"),
+        ({"key": np.zeros(3, np.uint32)}, TypeError, "`key` must be a PRNG key"),
+        ({"noise_multiplier": "1"}, TypeError, "`noise_multiplier`"),
+        ({"inner": optax.adam}, TypeError, "`inner` is the function `adam`"),
+        ({"every_k": 0}, ValueError, "`every_k`"),
+    ],
+)
+def test_errors(kwargs, error, match):
+    args = dict(
+        inner=optax.sgd(1.0), every_k=2, l2_clip_norm=C, noise_multiplier=SIGMA,
+        expected_batch_size=B, key=jax.random.key(0),
+    )  # fmt: skip
+    args.update(kwargs)
+    inner, every_k = args.pop("inner"), args.pop("every_k")
+    with pytest.raises(error, match=match):
+        privacy.dp_accumulate(inner, every_k, **args)
+
+
+def test_batch_of_keys_and_weight_are_refused():
+    with pytest.raises(ValueError, match="`key` must be a single PRNG key"):
+        _tx(key=jax.random.split(jax.random.key(0), 2))
+    tx = _tx()
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(ValueError, match=r"takes no `weight`.*got weight=0.5"):
+        tx.update(params, tx.init(params), params, weight=0.5)
