@@ -80,7 +80,8 @@ class PoissonBatch(NamedTuple):
         ``t`` alone.
       indices: ``int32[num_microbatches, microbatch_size]``, example indices;
         row ``j`` is micro-batch ``j``. The real examples come first, in
-        increasing order; the padding rows hold ``-1`` (as in jax_privacy's
+        increasing order; `fused_rows` gives the flat order of a fused step
+        (``num_microbatches=``). The padding rows hold ``-1`` (as in jax_privacy's
         `split_and_pad_global_batch`), which NumPy and JAX read as the last
         example: only the mask keeps it out.
       mask: ``bool[num_microbatches, microbatch_size]``, True for the real
@@ -101,6 +102,18 @@ class PoissonBatch(NamedTuple):
         """The micro-batches that hold at least one real example (they come
         first); the rest are all padding, and a loop may skip them."""
         return -(-self.size // self.indices.shape[1])
+
+    def fused_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices, mask)`` as one flat batch of rows, in the order the fused
+        loop splits it.
+
+        `clipped_value_and_grad` with ``num_microbatches=k`` (and
+        `microbatch`) takes micro-batch ``i`` as rows ``i, i + k, ...``, so
+        row ``r`` of micro-batch ``i`` goes to position ``r * k + i``: then
+        the loop's micro-batch ``i`` is ``indices[i]``, and the all-padding
+        micro-batches, which the loop skips, stay all padding.
+        """
+        return self.indices.T.reshape(-1), self.mask.T.reshape(-1)
 
 
 class PoissonMicrobatches:

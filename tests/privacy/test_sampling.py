@@ -242,3 +242,33 @@ def test_bad_step_and_padding_arguments_are_named():
         privacy.pad_microbatches(np.arange(5), 2, 2)
     with pytest.raises(ValueError, match=r"`microbatch_size` must be >= 1, got 0"):
         privacy.pad_microbatches(np.arange(5), 0, 2)
+
+
+def test_fused_rows_give_the_fused_loop_the_batch_micro_batches():
+    x = np.random.default_rng(0).normal(size=(N, 3)).astype(np.float32)
+    sampler = privacy.poisson_microbatches(N, Q, M, seed=2, max_microbatches=8)
+    k = sampler.num_microbatches
+    traces = []
+
+    def loss(w, x, mask):
+        del mask
+        return jnp.sum(x * w)  # per example: the gradient is the row itself
+
+    vg = privacy.clipped_value_and_grad(
+        loss, 1e6, k, batch_argnums=(1, 2), example_mask_fn=lambda x, mask: mask
+    )
+
+    @jax.jit
+    def step(w, rows, mask):
+        traces.append(None)
+        # Each micro-batch as the fused loop splits it: row i, i + k, ...
+        return vg(w, jnp.asarray(x)[rows], mask)[1], mask.reshape(-1, k).T
+
+    for batch in itertools.islice(sampler, 5):
+        rows, mask = batch.fused_rows()
+        grads, split_masks = step(jnp.zeros(3, jnp.float32), rows, mask)
+        np.testing.assert_array_equal(split_masks, batch.mask)
+        np.testing.assert_array_equal(rows.reshape(-1, k).T, batch.indices)
+        want = x[batch.indices[batch.mask]].sum(0)
+        np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-5)
+    assert len(traces) == 1
