@@ -23,7 +23,7 @@ _INSTALL = 'pip install "optax_accum[privacy]"'
 
 def _dp_accounting() -> Any:
     try:
-        import dp_accounting
+        import dp_accounting  # type: ignore[import-untyped]
     except ImportError as e:
         raise ImportError(
             "optax_accum.privacy's accounting (`epsilon`, `noise_multiplier_for`) "

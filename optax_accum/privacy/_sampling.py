@@ -347,5 +347,5 @@ def pad_microbatches(
         )
     flat = np.full(k * m, PADDING_INDEX, np.int32)
     flat[: indices.size] = indices
-    flat = flat.reshape(k, m)
-    return flat, flat >= 0
+    padded = flat.reshape(k, m)
+    return padded, padded >= 0
