@@ -162,3 +162,32 @@ def test_fsdp_noise_is_drawn_shard_by_shard(axis_type):
     assert "all-gather" not in hlo
     one = tx.update({"w": jnp.zeros(d)}, tx.init({"w": jnp.zeros(d)}), None)[0]
     np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(one["w"]))
+
+
+def test_data_parallel_noise_std_is_one_devices():
+    # Zero gradients on 8 devices: the update is the noise alone. Drawn once
+    # after the reduction, its std is sigma C / B; drawn per device and summed
+    # it would be sqrt(8) times that.
+    d = 4096
+    mesh = jax.make_mesh((N,), ("d",))
+    tx = privacy.dp_accumulate(
+        optax.sgd(1.0), 1, l2_clip_norm=C, noise_multiplier=SIGMA,
+        expected_batch_size=B, key=jax.random.key(3), axis_name="d",
+    )  # fmt: skip
+    params = {"w": jnp.zeros(d)}
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def step(p, s):
+        g = jax.tree.map(
+            lambda a: jax.lax.pcast(jnp.zeros_like(a), "d", to="varying"), p
+        )
+        u, _ = tx.update(g, s, p)
+        return jax.tree.map(lambda a: a[None], u)
+
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs), out_specs=P("d"))
+    )
+    u = np.asarray(step(params, init(params))["w"])
+    assert (u == u[:1]).all()  # the same draw on every device
+    assert abs(u[0].std() / (SIGMA * C / B) - 1) < 0.05
