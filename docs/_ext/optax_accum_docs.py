@@ -43,6 +43,7 @@ API_MODULES = (
     "optax_accum.flax",
     "optax_accum.distributed",
     "optax_accum.pipeline",
+    "optax_accum.privacy",
 )
 # Set (to anything but "" or "0") where the notebooks must come from the test
 # run, as on CI: a missing or outdated copy then fails the build instead of
