@@ -204,3 +204,24 @@ def test_bad_arguments():
         privacy.clipped_value_and_grad(
             lambda p, x: x @ p["w"], 1.0
         )(params, x)  # fmt: skip
+
+
+def test_all_padding_microbatches_are_not_computed():
+    seen = []
+
+    def counting_loss(p, x, y):
+        jax.debug.callback(lambda x: seen.append(np.shape(x)[0]), x)
+        return loss(p, x, y)
+
+    params, x, y = data(rows=16)
+    real = np.arange(16) % 4 < 2  # micro-batches 0 and 1 real, 2 and 3 padding
+    vg = jax.jit(
+        privacy.clipped_value_and_grad(
+            lambda p, x, y, m: counting_loss(p, x, y), C, 4, batch_argnums=(1, 2, 3),
+            example_mask_fn=lambda x, y, m: m,
+        )
+    )  # fmt: skip
+    _, grads = vg(params, x, y, real)
+    jax.effects_barrier()
+    assert sum(seen) == 8  # the 8 rows of the two real micro-batches only
+    _close(grads, clipped_sum(params, x, y, C, real)[1])
