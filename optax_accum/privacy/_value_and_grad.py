@@ -63,6 +63,13 @@ def clipped_value_and_grad(
     Non-finite entries of an example's gradient are set to 0 before clipping
     (as ``jax_privacy``'s ``nan_safe``), so one bad example cannot turn the sum
     into NaN. A padding row contributes exactly zero whatever its values.
+    Only ``grads`` has bounded sensitivity: ``value`` (which also reveals the
+    number of real examples) and ``aux`` are not private.
+
+    Inside ``shard_map``, each device clips and sums its own rows (the
+    parameters are made to vary over the batch's axes before the
+    differentiation, so no per-example gradient is summed over devices before
+    its clip); pass ``axis_name`` to `dp_accumulate`, which reduces the sums.
 
     Args:
       loss: ``loss(params, *args) -> value`` (``(value, aux)`` with
@@ -125,9 +132,7 @@ def clipped_value_and_grad(
     _checks.callable_or_none(example_mask_fn, "example_mask_fn")
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    run = functools.partial(
-        _clipped, loss, c, k, idx, has_aux, example_mask_fn
-    )  # fmt: skip
+    run = functools.partial(_clipped, loss, c, k, idx, has_aux, example_mask_fn)
     return functools.wraps(loss)(run) if hasattr(loss, "__name__") else run
 
 
