@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import optax_accum
 from optax_accum import privacy
 
 from .reference import clipped_sum, data, loss
@@ -282,3 +283,22 @@ def test_more_bad_options():
         traced(1.0)
     with pytest.raises(TypeError, match="`has_aux` must be a bool"):
         privacy.clipped_value_and_grad(loss, 1.0, has_aux=1)
+
+
+@pytest.mark.parametrize("num_real", [16, 10, 3, 0])
+def test_divides_by_the_expected_batch_size_not_the_realised_one(num_real):
+    # Poisson sampling: the realised batch varies; dividing by it would leak it.
+    params, x, y = data(rows=16, scale=2.0)
+    real = np.arange(16) < num_real
+    tx = _tx(k=2, sigma=0.0)
+    vg = privacy.clipped_value_and_grad(
+        lambda p, x, y, m: loss(p, x, y), C, 2, batch_argnums=(1, 2, 3),
+        example_mask_fn=lambda x, y, m: m,
+    )  # fmt: skip
+    state = tx.init(params)
+    for b in zip(*(np.split(a, 2) for a in (x, y, real)), strict=True):
+        u, state = tx.update(vg(params, *b)[1], state, params)
+    _, ref = clipped_sum(params, x, y, C, real)
+    for a, r in zip(jax.tree.leaves(u), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(-np.asarray(a), r / B, rtol=1e-5, atol=1e-7)
+    assert bool(optax_accum.has_updated(state))  # an empty window still steps
