@@ -191,3 +191,23 @@ def test_data_parallel_noise_std_is_one_devices():
     u = np.asarray(step(params, init(params))["w"])
     assert (u == u[:1]).all()  # the same draw on every device
     assert abs(u[0].std() / (SIGMA * C / B) - 1) < 0.05
+
+
+def test_pmap_axis_name_equals_one_device():
+    params, xs, ys = _batches()
+    tx = _tx(axis_name="d")
+
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    rep = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *np.shape(a))), params)
+    state = jax.pmap(tx.init, axis_name="d")(rep)
+    pstep = jax.pmap(step, axis_name="d")
+    p = rep
+    for x, y in zip(xs, ys, strict=True):
+        p, state = pstep(p, state, x.reshape(N, -1, 3), y.reshape(N, -1))
+    for leaf in jax.tree.leaves(p):
+        leaf = np.asarray(leaf)
+        np.testing.assert_array_equal(leaf, leaf[:1].repeat(N, 0))
+    _close(jax.tree.map(lambda a: a[0], p), _one_device(params, xs, ys))
