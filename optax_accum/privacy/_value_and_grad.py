@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from .. import _checks, _dtypes, _sharding
 from . import _checks as _privacy_checks
@@ -214,17 +215,28 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
     (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(params, rows)
     clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c))(grads)
 
-    def masked_sum(g):
-        keep = mask.reshape(mask.shape + (1,) * (g.ndim - 1))
-        return jnp.sum(jnp.where(keep, g, jnp.zeros_like(g)), axis=0)
+    def masked(x):  # a select, not a product: 0 * NaN is NaN
+        keep = _rows_like(mask, x).reshape(mask.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.zeros_like(x))
 
     vtype = jnp.promote_types(values.dtype, jnp.float32)
-    loss_sum = jnp.sum(jnp.where(mask, values.astype(vtype), 0))
-    aux = jax.tree.map(
-        lambda a: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, 0),
-        aux,
-    )
-    return jax.tree.map(masked_sum, clipped), loss_sum, aux
+    loss_sum = jnp.sum(masked(values.astype(vtype)))
+    sums = jax.tree.map(lambda g: jnp.sum(masked(g), axis=0), clipped)
+    return sums, loss_sum, jax.tree.map(masked, aux)
+
+
+def _rows_like(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``mask`` sharded as ``x``'s rows (axis 0), where an Explicit mesh
+    shards them: a select needs its operands' shardings to agree."""
+    spec = _sharding.explicit_spec(x)
+    if spec is None:
+        return mask
+    rows = spec.partitions[0] if spec.partitions else None
+    if _sharding.explicit_spec(mask) == P(rows) or (
+        rows is None and not _sharding.used_axes(_sharding.explicit_spec(mask))
+    ):
+        return mask
+    return jax.sharding.reshard(mask, jax.typeof(x).sharding.update(spec=P(rows)))
 
 
 def _value_and_aux(out, has_aux):

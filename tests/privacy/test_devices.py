@@ -211,3 +211,29 @@ def test_pmap_axis_name_equals_one_device():
         leaf = np.asarray(leaf)
         np.testing.assert_array_equal(leaf, leaf[:1].repeat(N, 0))
     _close(jax.tree.map(lambda a: a[0], p), _one_device(params, xs, ys))
+
+
+def test_fsdp_and_data_parallel_on_a_2d_mesh_equal_one_device():
+    # The batch over "data", the weight matrix over "model" (a scalar
+    # parameter too, whose per-example gradients are sharded like the rows).
+    params, x, y = data(rows=32, dim=8, scale=2.0)
+    xs, ys = np.split(x, 2), np.split(y, 2)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = _tx()
+    with jax.set_mesh(mesh):
+        p = jax.device_put(
+            params,
+            {"w": NamedSharding(mesh, P("model")), "b": NamedSharding(mesh, P())},
+        )
+        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
+
+        @jax.jit
+        def step(p, s, x, y):
+            u, s = tx.update(_vg(p, x, y)[1], s, p)
+            return optax.apply_updates(p, u), s
+
+        rows = NamedSharding(mesh, P("data"))
+        for x, y in zip(xs, ys, strict=True):
+            p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+    assert p["w"].sharding.spec == P("model")
+    _close(p, _one_device(params, xs, ys))
