@@ -302,3 +302,21 @@ def test_divides_by_the_expected_batch_size_not_the_realised_one(num_real):
     for a, r in zip(jax.tree.leaves(u), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(-np.asarray(a), r / B, rtol=1e-5, atol=1e-7)
     assert bool(optax_accum.has_updated(state))  # an empty window still steps
+
+
+def test_no_recompile_across_windows_and_steps():
+    params, x, y = data(rows=16)
+    params = jax.tree.map(jnp.asarray, params)  # as the step returns them
+    tx = _tx(optax.adam(0.1), k=2)
+    vg = privacy.clipped_value_and_grad(loss, C, 2, batch_argnums=(1, 2))
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    state = tx.init(params)
+    for xs, ys in zip(np.split(x, 4), np.split(y, 4), strict=True):
+        params, state = step(params, state, xs, ys)
+    assert step._cache_size() == 1
+    assert int(state.inner_state[0].windows) == 2
