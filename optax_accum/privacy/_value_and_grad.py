@@ -81,7 +81,8 @@ def clipped_value_and_grad(
       batch_argnums: the positional argument(s) of ``loss`` that hold the
         examples, one per row along their leading axis (``params`` is
         argument 0 and cannot be one). The other arguments reach every
-        example as they are.
+        example as they are; for per-example randomness (dropout), pass a
+        key per row as a batch argument (``jax.random.split(key, rows)``).
       has_aux: whether ``loss`` returns ``(value, aux)``. ``aux`` comes back
         per example, stacked along a leading axis in the rows' order, with
         zeros for padding rows. Nothing bounds its sensitivity.

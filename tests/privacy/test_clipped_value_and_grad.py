@@ -225,3 +225,19 @@ def test_all_padding_microbatches_are_not_computed():
     jax.effects_barrier()
     assert sum(seen) == 8  # the 8 rows of the two real micro-batches only
     _close(grads, clipped_sum(params, x, y, C, real)[1])
+
+
+def test_a_key_per_row_as_a_batch_argument():
+    params, x, y = data(rows=8)
+
+    def dropout_loss(p, x, y, keys):
+        keep = jax.random.bernoulli(keys[0], 0.5, x.shape)
+        return loss(p, jnp.where(keep, x, 0), y)
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    vg = privacy.clipped_value_and_grad(dropout_loss, C, 2, batch_argnums=(1, 2, 3))
+    _, grads = jax.jit(vg)(params, x, y, keys)
+    kept = np.stack(
+        [np.asarray(jax.random.bernoulli(keys[i], 0.5, (1, 3)))[0] for i in range(8)]
+    )
+    _close(grads, clipped_sum(params, np.where(kept, x, 0), y, C)[1])
