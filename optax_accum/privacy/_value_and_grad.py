@@ -243,9 +243,13 @@ def _rows_like(mask: jax.Array, x: jax.Array) -> jax.Array:
 def _value_and_aux(out, has_aux):
     if has_aux:
         if not (isinstance(out, tuple | list) and len(out) == 2):
+            what = (
+                f"an array of shape {jnp.shape(out)}"
+                if hasattr(out, "shape")
+                else type(out).__name__
+            )
             raise TypeError(
-                "with `has_aux=True` the loss must return (value, aux), got "
-                f"{type(out).__name__}."
+                f"with `has_aux=True` the loss must return (value, aux), got {what}."
             )
         value, aux = out
     else:

@@ -200,6 +200,12 @@ def test_bad_arguments():
         privacy.clipped_value_and_grad(
             lambda p, x, y: loss(p, x, y), 1.0, batch_argnums=(1, 2)
         )({**params, "n": jnp.int32(1)}, x, y)
+    with pytest.raises(TypeError, match="`num_microbatches` must be an integer"):
+        privacy.clipped_value_and_grad(loss, 1.0, 2.5)
+    with pytest.raises(TypeError, match=r"\(value, aux\), got an array of shape \(\)"):
+        privacy.clipped_value_and_grad(
+            loss, 1.0, batch_argnums=(1, 2), has_aux=True
+        )(params, x, y)  # fmt: skip
     with pytest.raises(TypeError, match="real floating scalar"):
         privacy.clipped_value_and_grad(
             lambda p, x: x @ p["w"], 1.0
