@@ -4,8 +4,10 @@
 
 Two faces: `accumulate` (an optax transformation that accumulates across
 calls; `MultiSteps` is its drop-in for ``optax.MultiSteps``) and `microbatch`
-(k micro-batches fused into one compiled call). Submodules, imported on their
-own: ``optax_accum.flax`` (Flax train steps), ``optax_accum.distributed``
+(k micro-batches fused into one compiled call). Wings: ``optax_accum.pipeline``
+(pipeline parallelism) and ``optax_accum.privacy`` (DP-SGD: per-example
+clipping, noise once per logical batch). Submodules, imported on their own:
+``optax_accum.flax`` (Flax train steps), ``optax_accum.distributed``
 (starting a multi-process job).
 """
 

@@ -64,6 +64,13 @@ def dp_accumulate(
     of the right scale and no privacy. Compute them with
     `clipped_value_and_grad` with the same ``l2_clip_norm``.
 
+    **Dtypes.** `clipped_value_and_grad` returns its sums in at least float32
+    (for bf16 and fp16 parameters too), and the window, the noise and the
+    division then run in float32; the updates are float32 and
+    ``optax.apply_updates`` casts them to the parameters' dtype. Gradients
+    given in bf16 are summed in float32 (``accumulator_dtype``), but the
+    window's sum is handed to the noise in their dtype.
+
     **Devices.** With ``axis_name`` (inside ``shard_map`` or ``pmap``), each
     device sums its own examples and the sums are reduced over devices before
     the noise, which is drawn once, from the same key on every device: its

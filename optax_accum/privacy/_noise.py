@@ -8,8 +8,10 @@ the accumulation engine calls it only on a boundary, on the window's sum
 The key is in the state; window ``t`` draws from ``fold_in(key, t)``, and leaf
 ``i`` of the gradient tree from ``fold_in(that, i)``, so a window's noise
 depends on the key and the window's index only: not on how the window was
-split into calls, not on the device count, not on the sharding (JAX's
-partitionable threefry draws each shard where it lives).
+split into calls, not on the device count, not on the sharding. With JAX's
+partitionable threefry (``jax_threefry_partitionable``, the default since JAX
+0.5) each device draws its own shard of a sharded parameter's noise, with no
+gather; the values do not depend on the sharding either way.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from .. import _checks, _dtypes, _sharding
 from . import _checks as _privacy_checks
@@ -63,6 +64,13 @@ def clipped_value_and_grad(
     Non-finite entries of an example's gradient are set to 0 before clipping
     (as ``jax_privacy``'s ``nan_safe``), so one bad example cannot turn the sum
     into NaN. A padding row contributes exactly zero whatever its values.
+    Only ``grads`` has bounded sensitivity: ``value`` (which also reveals the
+    number of real examples) and ``aux`` are not private.
+
+    Inside ``shard_map``, each device clips and sums its own rows (the
+    parameters are made to vary over the batch's axes before the
+    differentiation, so no per-example gradient is summed over devices before
+    its clip); pass ``axis_name`` to `dp_accumulate`, which reduces the sums.
 
     Args:
       loss: ``loss(params, *args) -> value`` (``(value, aux)`` with
@@ -73,7 +81,8 @@ def clipped_value_and_grad(
       batch_argnums: the positional argument(s) of ``loss`` that hold the
         examples, one per row along their leading axis (``params`` is
         argument 0 and cannot be one). The other arguments reach every
-        example as they are.
+        example as they are; for per-example randomness (dropout), pass a
+        key per row as a batch argument (``jax.random.split(key, rows)``).
       has_aux: whether ``loss`` returns ``(value, aux)``. ``aux`` comes back
         per example, stacked along a leading axis in the rows' order, with
         zeros for padding rows. Nothing bounds its sensitivity.
@@ -125,9 +134,7 @@ def clipped_value_and_grad(
     _checks.callable_or_none(example_mask_fn, "example_mask_fn")
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    run = functools.partial(
-        _clipped, loss, c, k, idx, has_aux, example_mask_fn
-    )  # fmt: skip
+    run = functools.partial(_clipped, loss, c, k, idx, has_aux, example_mask_fn)
     return functools.wraps(loss)(run) if hasattr(loss, "__name__") else run
 
 
@@ -209,25 +216,40 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
     (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(params, rows)
     clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c))(grads)
 
-    def masked_sum(g):
-        keep = mask.reshape(mask.shape + (1,) * (g.ndim - 1))
-        return jnp.sum(jnp.where(keep, g, jnp.zeros_like(g)), axis=0)
+    def masked(x):  # a select, not a product: 0 * NaN is NaN
+        keep = _rows_like(mask, x).reshape(mask.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.zeros_like(x))
 
     vtype = jnp.promote_types(values.dtype, jnp.float32)
-    loss_sum = jnp.sum(jnp.where(mask, values.astype(vtype), 0))
-    aux = jax.tree.map(
-        lambda a: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, 0),
-        aux,
-    )
-    return jax.tree.map(masked_sum, clipped), loss_sum, aux
+    loss_sum = jnp.sum(masked(values.astype(vtype)))
+    sums = jax.tree.map(lambda g: jnp.sum(masked(g), axis=0), clipped)
+    return sums, loss_sum, jax.tree.map(masked, aux)
+
+
+def _rows_like(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``mask`` sharded as ``x``'s rows (axis 0), where an Explicit mesh
+    shards them: a select needs its operands' shardings to agree."""
+    spec = _sharding.explicit_spec(x)
+    if spec is None:
+        return mask
+    rows = spec.partitions[0] if spec.partitions else None
+    if _sharding.explicit_spec(mask) == P(rows) or (
+        rows is None and not _sharding.used_axes(_sharding.explicit_spec(mask))
+    ):
+        return mask
+    return jax.sharding.reshard(mask, jax.typeof(x).sharding.update(spec=P(rows)))
 
 
 def _value_and_aux(out, has_aux):
     if has_aux:
         if not (isinstance(out, tuple | list) and len(out) == 2):
+            what = (
+                f"an array of shape {jnp.shape(out)}"
+                if hasattr(out, "shape")
+                else type(out).__name__
+            )
             raise TypeError(
-                "with `has_aux=True` the loss must return (value, aux), got "
-                f"{type(out).__name__}."
+                f"with `has_aux=True` the loss must return (value, aux), got {what}."
             )
         value, aux = out
     else:

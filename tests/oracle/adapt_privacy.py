@@ -8,7 +8,8 @@ is). The cell's bad micro-batch carries padding: with ``weights="zeros"``
 its rows weigh 0, and ``example_mask_fn`` marks them (``m > 0``); other
 weights are refused (the face has no weights: a row is an example or
 padding). Returns each call's pre-noise sum and mean loss; with
-``axis_name`` each device's sum and loss, reduced here over the devices
+``axis_name`` (``shard_map`` or ``pmap``) each device's sum and loss, reduced
+here over the devices
 (`dp_accumulate` does it in its boundary; tests/privacy checks that).
 """
 
@@ -51,7 +52,7 @@ def _compiled(cell: Cell) -> Any:
         value, grads = f(p, c, m)
         return value, grads["w"]
 
-    if cell.mode != "axis_name":
+    if not cell.mapped:
         return jax.jit(call)
 
     def local(p, c, m):
@@ -61,6 +62,8 @@ def _compiled(cell: Cell) -> Any:
         value = jax.lax.psum(value * n, rt.AXIS) / jnp.maximum(total, 1)
         return value, jax.lax.psum(grad, rt.AXIS)
 
+    if cell.mode == "pmap":
+        return jax.pmap(local, rt.AXIS, in_axes=(None, 0, 0))
     row = P(rt.AXIS)
     return jax.jit(
         jax.shard_map(
@@ -78,5 +81,7 @@ def run(cell: Cell, inputs: data.Inputs) -> dict[str, Any]:
             c = rt.place(cell, inputs.c[t], rt.JNP_DTYPES[cell.dtype], rows=True)
             m = rt.place(cell, inputs.m[t], jnp.float32, rows=True)
             value, grad = f(params, c, m)
+            if cell.mode == "pmap":  # replicated after the reduction
+                value, grad = rt.first_device((value, grad))
             steps.append({"value": float(rt.to_np(value)), "grad": rt.to_np(grad)})
     return {"steps": steps}

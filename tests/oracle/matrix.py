@@ -339,7 +339,7 @@ EXPLICIT = (
 # The privacy face's variables: it sums (reduction), in the promoted dtype
 # (acc), and ignores the inner optimizer (dp_accumulate runs it).
 PRIVACY_VARIABLES = {
-    "mode": ("single", "global", "axis_name"),
+    "mode": ("single", "global", "axis_name", "pmap"),
     "weights": ("none", "zeros"),
     "k": KS,
     "dtype": VARIABLES["dtype"],

@@ -82,7 +82,10 @@ NOT_APPLICABLE = (
         acc=("none", "f32"),
     ),
     _rule(
-        (), "not driven by the oracle", face=PRIVACY_FACES, mode=("pmap", "data_axes")
+        (),
+        "no data_axes: the sums are over examples, never partial",
+        face=PRIVACY_FACES,
+        mode=("data_axes",),
     ),
     _rule(
         (),

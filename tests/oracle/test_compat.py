@@ -54,4 +54,5 @@ def test_table_has_the_privacy_face():
     assert compat.status("privacy", "global", "none", weighted=True) == (
         "yes (padding rows)"
     )
-    assert compat.status("privacy", "pmap", "none") == ""
+    assert compat.status("privacy", "pmap", "none") == "yes"
+    assert compat.status("privacy", "data_axes", "none") == ""

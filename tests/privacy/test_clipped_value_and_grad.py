@@ -200,7 +200,50 @@ def test_bad_arguments():
         privacy.clipped_value_and_grad(
             lambda p, x, y: loss(p, x, y), 1.0, batch_argnums=(1, 2)
         )({**params, "n": jnp.int32(1)}, x, y)
+    with pytest.raises(TypeError, match="`num_microbatches` must be an integer"):
+        privacy.clipped_value_and_grad(loss, 1.0, 2.5)
+    with pytest.raises(TypeError, match=r"\(value, aux\), got an array of shape \(\)"):
+        privacy.clipped_value_and_grad(
+            loss, 1.0, batch_argnums=(1, 2), has_aux=True
+        )(params, x, y)  # fmt: skip
     with pytest.raises(TypeError, match="real floating scalar"):
         privacy.clipped_value_and_grad(
             lambda p, x: x @ p["w"], 1.0
         )(params, x)  # fmt: skip
+
+
+def test_all_padding_microbatches_are_not_computed():
+    seen = []
+
+    def counting_loss(p, x, y):
+        jax.debug.callback(lambda x: seen.append(np.shape(x)[0]), x)
+        return loss(p, x, y)
+
+    params, x, y = data(rows=16)
+    real = np.arange(16) % 4 < 2  # micro-batches 0 and 1 real, 2 and 3 padding
+    vg = jax.jit(
+        privacy.clipped_value_and_grad(
+            lambda p, x, y, m: counting_loss(p, x, y), C, 4, batch_argnums=(1, 2, 3),
+            example_mask_fn=lambda x, y, m: m,
+        )
+    )  # fmt: skip
+    _, grads = vg(params, x, y, real)
+    jax.effects_barrier()
+    assert sum(seen) == 8  # the 8 rows of the two real micro-batches only
+    _close(grads, clipped_sum(params, x, y, C, real)[1])
+
+
+def test_a_key_per_row_as_a_batch_argument():
+    params, x, y = data(rows=8)
+
+    def dropout_loss(p, x, y, keys):
+        keep = jax.random.bernoulli(keys[0], 0.5, x.shape)
+        return loss(p, jnp.where(keep, x, 0), y)
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    vg = privacy.clipped_value_and_grad(dropout_loss, C, 2, batch_argnums=(1, 2, 3))
+    _, grads = jax.jit(vg)(params, x, y, keys)
+    kept = np.stack(
+        [np.asarray(jax.random.bernoulli(keys[i], 0.5, (1, 3)))[0] for i in range(8)]
+    )
+    _close(grads, clipped_sum(params, np.where(kept, x, 0), y, C)[1])

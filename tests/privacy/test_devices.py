@@ -162,3 +162,78 @@ def test_fsdp_noise_is_drawn_shard_by_shard(axis_type):
     assert "all-gather" not in hlo
     one = tx.update({"w": jnp.zeros(d)}, tx.init({"w": jnp.zeros(d)}), None)[0]
     np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(one["w"]))
+
+
+def test_data_parallel_noise_std_is_one_devices():
+    # Zero gradients on 8 devices: the update is the noise alone. Drawn once
+    # after the reduction, its std is sigma C / B; drawn per device and summed
+    # it would be sqrt(8) times that.
+    d = 4096
+    mesh = jax.make_mesh((N,), ("d",))
+    tx = privacy.dp_accumulate(
+        optax.sgd(1.0), 1, l2_clip_norm=C, noise_multiplier=SIGMA,
+        expected_batch_size=B, key=jax.random.key(3), axis_name="d",
+    )  # fmt: skip
+    params = {"w": jnp.zeros(d)}
+    specs = optax_accum.state_specs(jax.eval_shape(tx.init, params), "d")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def step(p, s):
+        g = jax.tree.map(
+            lambda a: jax.lax.pcast(jnp.zeros_like(a), "d", to="varying"), p
+        )
+        u, _ = tx.update(g, s, p)
+        return jax.tree.map(lambda a: a[None], u)
+
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs), out_specs=P("d"))
+    )
+    u = np.asarray(step(params, init(params))["w"])
+    assert (u == u[:1]).all()  # the same draw on every device
+    assert abs(u[0].std() / (SIGMA * C / B) - 1) < 0.05
+
+
+def test_pmap_axis_name_equals_one_device():
+    params, xs, ys = _batches()
+    tx = _tx(axis_name="d")
+
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    rep = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *np.shape(a))), params)
+    state = jax.pmap(tx.init, axis_name="d")(rep)
+    pstep = jax.pmap(step, axis_name="d")
+    p = rep
+    for x, y in zip(xs, ys, strict=True):
+        p, state = pstep(p, state, x.reshape(N, -1, 3), y.reshape(N, -1))
+    for leaf in jax.tree.leaves(p):
+        leaf = np.asarray(leaf)
+        np.testing.assert_array_equal(leaf, leaf[:1].repeat(N, 0))
+    _close(jax.tree.map(lambda a: a[0], p), _one_device(params, xs, ys))
+
+
+def test_fsdp_and_data_parallel_on_a_2d_mesh_equal_one_device():
+    # The batch over "data", the weight matrix over "model" (a scalar
+    # parameter too, whose per-example gradients are sharded like the rows).
+    params, x, y = data(rows=32, dim=8, scale=2.0)
+    xs, ys = np.split(x, 2), np.split(y, 2)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tx = _tx()
+    with jax.set_mesh(mesh):
+        p = jax.device_put(
+            params,
+            {"w": NamedSharding(mesh, P("model")), "b": NamedSharding(mesh, P())},
+        )
+        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
+
+        @jax.jit
+        def step(p, s, x, y):
+            u, s = tx.update(_vg(p, x, y)[1], s, p)
+            return optax.apply_updates(p, u), s
+
+        rows = NamedSharding(mesh, P("data"))
+        for x, y in zip(xs, ys, strict=True):
+            p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+    assert p["w"].sharding.spec == P("model")
+    _close(p, _one_device(params, xs, ys))

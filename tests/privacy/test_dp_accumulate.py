@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import optax_accum
 from optax_accum import privacy
 
 from .reference import clipped_sum, data, loss
@@ -189,3 +190,133 @@ def test_batch_of_keys_and_weight_are_refused():
     params = {"w": jnp.zeros(2)}
     with pytest.raises(ValueError, match=r"takes no `weight`.*got weight=0.5"):
         tx.update(params, tx.init(params), params, weight=0.5)
+
+
+def _window_sum(params, x, y, calls, k_per_call, real=None):
+    """The pre-noise window sum of ``calls`` calls: sigma = 0, B = 1 and
+    sgd(1) emit minus it. Rows where ``real`` is False are padding."""
+    tx = privacy.dp_accumulate(
+        optax.sgd(1.0), calls, l2_clip_norm=C, noise_multiplier=0.0,
+        expected_batch_size=1, key=jax.random.key(0),
+    )  # fmt: skip
+    real = np.ones(len(y), bool) if real is None else real
+    vg = privacy.clipped_value_and_grad(
+        lambda p, x, y, m: loss(p, x, y), C, k_per_call, batch_argnums=(1, 2, 3),
+        example_mask_fn=lambda x, y, m: m,
+    )  # fmt: skip
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, *b: tx.update(vg(p, *b)[1], s, p))
+    for b in zip(*(np.split(a, calls) for a in (x, y, real)), strict=True):
+        u, state = step(params, state, *b)
+    return -np.concatenate([np.ravel(a) for a in jax.tree.leaves(u)])
+
+
+def test_window_sum_does_not_depend_on_the_split():
+    params, x, y = data(rows=16, scale=2.0)
+    ref = np.concatenate(
+        [np.ravel(g) for g in jax.tree.leaves(clipped_sum(params, x, y, C)[1])]
+    )
+    for calls, k in [(1, 1), (1, 16), (2, 4), (4, 2), (8, 1), (16, 1)]:
+        np.testing.assert_allclose(
+            _window_sum(params, x, y, calls, k), ref, rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("row", [0, 9, 15])
+@pytest.mark.parametrize("scale", [1.0, 1e6])
+def test_one_example_moves_the_window_sum_by_at_most_c(row, scale):
+    # Neighbouring datasets: the same window with one example present or
+    # absent (padding), whatever its gradient, in whichever call it lands.
+    params, x, y = data(rows=16, scale=2.0)
+    x[row], y[row] = scale, -scale
+    absent = np.arange(16) != row
+    with_it = _window_sum(params, x, y, calls=4, k_per_call=2)
+    without = _window_sum(params, x, y, calls=4, k_per_call=2, real=absent)
+    moved = np.linalg.norm(with_it - without)
+    assert moved <= C * (1 + 1e-5)
+    if scale > 1:
+        assert moved >= 0.99 * C  # clipped to C, not dropped
+
+
+@pytest.mark.parametrize(
+    "dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)]
+)
+def test_dtypes(dtype, rtol):
+    params, x, y = data(rows=16, scale=2.0)
+    p = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    xd, yd = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+    key = jax.random.key(2)
+    noisy, _ = _run(_tx(k=2, key=key), p, xd, yd, calls=2, k_per_call=2)
+    clean, state = _run(_tx(k=2, key=key, sigma=0.0), p, xd, yd, 2, 2)
+    # the clipped sums are float32 for every parameter dtype, and so is all
+    # that follows: the noise is never rounded to bf16 before it is added
+    assert state.accumulator["w"].dtype == jnp.float32
+    assert noisy[-1]["w"].dtype == jnp.float32
+    draw = _noise_draw(key, 0, params)
+    for n, cl, z in zip(*(jax.tree.leaves(t) for t in (noisy[-1], clean[-1], draw)),
+                        strict=True):  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(n) - np.asarray(cl), -SIGMA * C / B * np.asarray(z),
+            rtol=1e-4, atol=1e-6,
+        )  # fmt: skip
+    ref_params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dtype)), params)
+    _, ref = clipped_sum(ref_params, np.asarray(xd), np.asarray(yd), C)
+    for u, r in zip(jax.tree.leaves(clean[-1]), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(-np.asarray(u), r / B, rtol=rtol, atol=rtol)
+
+
+def test_more_bad_options():
+    with pytest.raises(TypeError, match="`expected_batch_size` must be a real"):
+        privacy.dp_accumulate(
+            optax.sgd(1.0), 1, l2_clip_norm=C, noise_multiplier=1.0,
+            expected_batch_size=True, key=jax.random.key(0),
+        )  # fmt: skip
+
+    @jax.jit
+    def traced(c):
+        return privacy.dp_accumulate(
+            optax.sgd(1.0), 1, l2_clip_norm=c, noise_multiplier=1.0,
+            expected_batch_size=4, key=jax.random.key(0),
+        )  # fmt: skip
+
+    with pytest.raises(TypeError, match="`l2_clip_norm` must be a Python or NumPy"):
+        traced(1.0)
+    with pytest.raises(TypeError, match="`has_aux` must be a bool"):
+        privacy.clipped_value_and_grad(loss, 1.0, has_aux=1)
+
+
+@pytest.mark.parametrize("num_real", [16, 10, 3, 0])
+def test_divides_by_the_expected_batch_size_not_the_realised_one(num_real):
+    # Poisson sampling: the realised batch varies; dividing by it would leak it.
+    params, x, y = data(rows=16, scale=2.0)
+    real = np.arange(16) < num_real
+    tx = _tx(k=2, sigma=0.0)
+    vg = privacy.clipped_value_and_grad(
+        lambda p, x, y, m: loss(p, x, y), C, 2, batch_argnums=(1, 2, 3),
+        example_mask_fn=lambda x, y, m: m,
+    )  # fmt: skip
+    state = tx.init(params)
+    for b in zip(*(np.split(a, 2) for a in (x, y, real)), strict=True):
+        u, state = tx.update(vg(params, *b)[1], state, params)
+    _, ref = clipped_sum(params, x, y, C, real)
+    for a, r in zip(jax.tree.leaves(u), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(-np.asarray(a), r / B, rtol=1e-5, atol=1e-7)
+    assert bool(optax_accum.has_updated(state))  # an empty window still steps
+
+
+def test_no_recompile_across_windows_and_steps():
+    params, x, y = data(rows=16)
+    params = jax.tree.map(jnp.asarray, params)  # as the step returns them
+    tx = _tx(optax.adam(0.1), k=2)
+    vg = privacy.clipped_value_and_grad(loss, C, 2, batch_argnums=(1, 2))
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    state = tx.init(params)
+    for xs, ys in zip(np.split(x, 4), np.split(y, 4), strict=True):
+        params, state = step(params, state, xs, ys)
+    assert step._cache_size() == 1
+    assert int(state.inner_state[0].windows) == 2
