@@ -150,13 +150,14 @@ class PoissonMicrobatches:
             cap = _bernstein_cap(
                 self.num_examples + 1, self.sampling_rate, _DEFAULT_OVERFLOW_BOUND
             )
-            self.num_microbatches = max(1, -(-min(cap, self.num_examples) // m))
+            self.num_microbatches = max(1, -(-cap // m))
         else:
             self.num_microbatches = _checks.positive_int(
                 max_microbatches, "max_microbatches"
             )
-        # Every example fits: a cap above N only pads.
-        self.max_batch_size = min(self.num_microbatches * m, self.num_examples)
+        # The truncation threshold is the padded shape's capacity (above N it
+        # is never reached on this data set, but may be on its neighbour's).
+        self.max_batch_size = self.num_microbatches * m
 
     @property
     def expected_batch_size(self) -> float:
@@ -167,7 +168,9 @@ class PoissonMicrobatches:
     @property
     def overflow_probability(self) -> float:
         """An upper bound on the probability that one step's Poisson draw
-        exceeds `max_batch_size`, for a data set of ``num_examples + 1``."""
+        exceeds `max_batch_size` (``num_microbatches * microbatch_size``), for
+        a data set of ``num_examples + 1``: the neighbour that add-or-remove
+        adjacency compares with."""
         return binomial_tail_bound(
             self.num_examples + 1, self.sampling_rate, self.max_batch_size
         )
@@ -241,7 +244,9 @@ def poisson_microbatches(
 
     **The cap.** By default ``max_microbatches`` covers ``P(size > cap) ≤
     1e-12`` per step (Bernstein's bound, for a data set of ``N + 1``:
-    `PoissonMicrobatches.overflow_probability`). A draw above the cap is:
+    `PoissonMicrobatches.overflow_probability`); the default is computed
+    from ``num_examples``, so where ``N`` itself is private, pass a public
+    ``max_microbatches``. A draw above the cap is:
 
     - ``overflow="truncate"`` (default): cut to a uniform random subset of
       ``cap`` examples, as jax_privacy's ``truncated_batch_size`` does. The
@@ -272,7 +277,7 @@ def poisson_microbatches(
         the steps already taken``.
 
     Returns:
-      A `PoissonMicrobatches`: iterate it for `PoissonBatch` es, or read one
+      A `PoissonMicrobatches`: iterate it for its `PoissonBatch` values, or read one
       with ``.batch(t)``; ``.num_microbatches``, ``.max_batch_size``,
       ``.expected_batch_size`` and ``.overflow_probability`` describe it.
 

@@ -146,6 +146,13 @@ def test_sampling_rate_one_takes_every_example():
     batch = privacy.poisson_microbatches(10, 1.0, 4, seed=0).batch(0)
     assert batch.indices.shape == (3, 4) and batch.size == 10
     np.testing.assert_array_equal(batch.indices.ravel()[:10], np.arange(10))
+    # The neighbour with N + 1 examples must fit too: 128 examples of
+    # micro-batches of 64 take a third, all-padding micro-batch.
+    full = privacy.poisson_microbatches(128, 1.0, 64, seed=0)
+    assert full.num_microbatches == 3 and full.overflow_probability == 0.0
+    assert privacy.poisson_microbatches(
+        128, 1.0, 64, seed=0, max_microbatches=2
+    ).overflow_probability == pytest.approx(1.0)
 
 
 def test_overflow_truncates_to_a_uniform_subset_of_the_cap():
