@@ -121,13 +121,24 @@ def offload(
     branch that returns the state in device memory next to one that keeps
     it in host memory.
 
+    Wherever a leaf of the state arrives (restored by Orbax into
+    ``jax.eval_shape(tx.init, params)``, so in device memory; a
+    hyperparameter written by hand), ``update`` and the steps of
+    `accumulate` and `MultiSteps` return it in ``memory_kind``: those put
+    every leaf there on entry (`settle`). PRNG keys in the state stay in
+    device memory: a jitted program types a key in host memory as device
+    memory (JAX 0.10), and a key is a few bytes.
+
     Donating the state: under an Auto mesh ``jax.jit`` aliases each state
     buffer with its own output. Under an Explicit mesh it pairs donated
     buffers with outputs by shape alone unless every output's memory kind is
     known, so give the step ``out_shardings`` (`state_shardings` gives the
-    state's, memory kinds included). On one device, without a mesh, JAX (0.10)
-    leaves that pairing to XLA, which can hand a host buffer to a device
-    output: do not donate the state there.
+    state's, memory kinds included). On one device, without a mesh, JAX
+    (0.10) pairs them by shape alone unless the inputs' and the outputs'
+    memory kinds are both known, and a host buffer paired with a device
+    output aborts the process: give the step ``in_shardings`` and
+    ``out_shardings`` (`state_shardings` works on one device), or do not
+    donate the state there.
 
     Args:
       inner: the optimizer whose state to keep off the device.
