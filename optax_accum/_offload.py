@@ -220,21 +220,35 @@ def settle(
         some of its state off the device but ``state`` has other leaves, or a
         leaf cannot be moved there.
     """
-    spaces = _init_spaces(inner, params)
-    if spaces is None:
+    init = _init_spaces(inner, params)
+    if init is None:
         return state
+    init_paths, spaces = init
     if jax.memory.Space.Host not in spaces and not any(
         map(_off_device, jax.tree.leaves(state))
     ):
         return state  # nothing offloaded, nothing arrived off the device
     paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     if len(spaces) != len(paths):
+        names = [jax.tree_util.keystr(p) for p, _ in paths]
+        first = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(names, init_paths, strict=False))
+                if a != b
+            ),
+            min(len(names), len(init_paths)),
+        )
+        got = names[first] if first < len(names) else "(no more leaves)"
+        want = init_paths[first] if first < len(init_paths) else "(no more leaves)"
         raise ValueError(
             "`offload`: the inner optimizer's state has "
-            f"{len(paths)} leaves, but `inner.init` gives {len(spaces)}, so "
-            "where each leaf lives cannot be told; restore it into a target "
-            "with the state's own structure (`jax.eval_shape(tx.init, params)` "
-            "or `optax_accum.state_shardings(tx, params)`)."
+            f"{len(paths)} leaves, but `inner.init` gives {len(spaces)}: at "
+            f"leaf {first}, the state has {got} where `inner.init` has "
+            f"{want}, so where each leaf lives cannot be told. Restore it into "
+            "a target with the state's own structure "
+            "(`jax.eval_shape(tx.init, params)` or "
+            "`optax_accum.state_shardings(tx, params)`)."
         )
     leaves = [
         _to(x, space, jax.tree_util.keystr(path))
@@ -257,18 +271,23 @@ def keep(new_state: optax.OptState, state: optax.OptState) -> optax.OptState:
     return jax.tree_util.tree_map_with_path(put, new_state, state)
 
 
-def _init_spaces(inner: Any, params: Any) -> list | None:
-    """The memory space of each leaf of ``inner.init(params)``, traced.
+def _init_spaces(inner: Any, params: Any) -> tuple[list, list] | None:
+    """The path and memory space of each leaf of ``inner.init(params)``,
+    traced.
 
     None where ``init`` cannot be traced on these (e.g. integer parameters'
     float0 gradients stand in for absent parameters): the state then stays
     as it came.
     """
     try:
-        closed = jax.make_jaxpr(inner.init)(params)
+        closed, shapes = jax.make_jaxpr(inner.init, return_shape=True)(params)
     except Exception:  # any failure: leave the state as it is
         return None
-    return [a.memory_space for a in closed.out_avals]
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]
+    ]
+    return paths, [a.memory_space for a in closed.out_avals]
 
 
 def _off_device(x: Any) -> bool:

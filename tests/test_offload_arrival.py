@@ -409,8 +409,25 @@ def test_a_state_of_another_structure_is_refused_naming_offload():
     tx = WRAPPERS["MultiSteps"](optax_accum.offload(optax.adam(1e-2)))
     state = tx.init(params)
     other = optax.sgd(0.1, momentum=0.9).init(params)  # a state of another tx
-    with pytest.raises(ValueError, match=r"`offload`.* 3 leaves.*gives 7"):
+    with pytest.raises(
+        ValueError, match=r"`offload`.* 3 leaves.*gives 7.*\[0\]\.trace\['b1'\]"
+    ):
         jax.jit(tx.update)(grads[0], state._replace(inner_opt_state=other), params)
+
+
+def test_state_shardings_on_one_device_and_unplaced_params():
+    _, params, _ = _setup("one_device")
+    tx = WRAPPERS["accumulate"](optax_accum.offload(optax.adam(1e-2)))
+    shardings = optax_accum.state_shardings(tx, params)
+    mu = shardings.inner_state[0].mu["w1"]
+    assert mu == jax.sharding.SingleDeviceSharding(
+        jax.devices()[0], memory_kind="pinned_host"
+    )
+    assert shardings.accumulator["w1"].memory_kind == "device"
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    assert _kinds(state.inner_state) == {"pinned_host"}
+    with pytest.raises(ValueError, match=r"`params` must be placed"):
+        optax_accum.state_shardings(tx, jax.eval_shape(lambda: params))
 
 
 _DONATE = """
