@@ -347,6 +347,27 @@ def test_scan_loop_takes_a_restored_state_put_back_with_state_shardings(tmp_path
     _assert_equal(loop(state), loop(restored))
 
 
+@pytest.mark.parametrize("face", sweep(["accumulate", "fused"], fast=["fused"]))
+def test_scan_loop_with_a_prng_key_in_the_state(face):
+    # A key in host memory would enter the loop typed as device memory and
+    # leave it in host memory: the carry's type would change.
+    _, params, grads = _setup("one_device")
+
+    def loop(offloaded):
+        inner = optax.chain(optax.add_noise(0.1, 0.5, 0), optax.adam(1e-2))
+        inner = optax_accum.offload(inner) if offloaded else inner
+        tx = WRAPPERS["accumulate"](inner) if face == "accumulate" else inner
+        stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
+
+        def body(state, g):
+            updates, state = tx.update(g, state, params)
+            return state, updates
+
+        return jax.jit(lambda s: jax.lax.scan(body, s, stacked))(tx.init(params))
+
+    _assert_equal(loop(False), loop(True))
+
+
 def test_fused_step_takes_a_restored_state_and_returns_it_to_host(tmp_path):
     _, params, grads = _setup("one_device")
     tx = optax_accum.offload(optax.adamw(1e-2))
