@@ -119,12 +119,16 @@ def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> A
     return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
 
 
-def _annotation(like: Any) -> P | None:
+def _annotation(like: Any) -> P | NamedSharding | None:
     """``like``'s spec where it says more than 'replicated', else None (which
     also suits shard_map bodies and meshless code)."""
     spec = explicit_spec(like)
     if spec is not None and not (used_axes(spec) or spec.unreduced or spec.reduced):
         return None
+    if spec is not None and jax.sharding.get_abstract_mesh().empty:
+        # No mesh in context (parameters placed on an Explicit mesh, the
+        # step jitted without `jax.set_mesh`): name ``like``'s own mesh.
+        return NamedSharding(_sharding(like).mesh, spec)
     return spec
 
 

@@ -237,15 +237,19 @@ def _mixed_params(axis_type):
 
 
 @pytest.mark.parametrize(
-    "mode", sweep(["no_mesh", "auto", "explicit"], fast=["explicit"])
+    "mode",
+    sweep(
+        ["auto_no_set_mesh", "explicit_no_set_mesh", "auto", "explicit"],
+        fast=["explicit", "explicit_no_set_mesh"],
+    ),
 )
 def test_mixed_placements_init_and_step(mode):
     # The pipeline guide's layout: stages on a mesh, the embedding on one
     # device; the state of the embedding is replicated on the mesh.
-    kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    kind = AxisType.Explicit if mode.startswith("explicit") else AxisType.Auto
     mesh, params = _mixed_params(kind)
     grads = jax.tree.map(lambda p: 0.5 * jnp.ones_like(p), params)
-    with _ctx(None if mode == "no_mesh" else mesh):
+    with _ctx(None if mode.endswith("no_set_mesh") else mesh):
         plain = WRAPPERS["accumulate"](optax.adam(1e-2))
         tx = WRAPPERS["accumulate"](optax_accum.offload(optax.adam(1e-2)))
         s_plain, state = plain.init(params), tx.init(params)
