@@ -125,7 +125,7 @@ def offload(
     ``jax.eval_shape(tx.init, params)``, so in device memory; a
     hyperparameter written by hand), ``update`` and the steps of
     `accumulate` and `MultiSteps` return it in ``memory_kind``: those put
-    every leaf there on entry (`settle`). PRNG keys in the state stay in
+    every leaf there on entry. PRNG keys in the state stay in
     device memory: a jitted program types a key in host memory as device
     memory (JAX 0.10), and a key is a few bytes.
 
