@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -48,9 +49,22 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array)
 
 
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.extended)
+
+
+def _moves(x: Any) -> bool:
+    """Whether `offload` keeps ``x`` off the device: every array but PRNG
+    keys. A key in host memory reaches a jitted program typed as device
+    memory (JAX 0.10 drops the memory kind of extended dtypes there), so a
+    program that returned it in host memory would change its own type (a
+    ``lax.scan`` carry, a ``lax.cond`` branch); a key is a few bytes."""
+    return _is_array(x) and not _is_key(x)
+
+
 def _move(tree: Any, space: Any) -> Any:
     """Moves every array leaf of ``tree`` to ``space``, keeping its sharding."""
-    return jax.tree.map(lambda x: jax.device_put(x, space) if _is_array(x) else x, tree)
+    return jax.tree.map(lambda x: jax.device_put(x, space) if _moves(x) else x, tree)
 
 
 def _on_mesh(params: Any) -> bool:
@@ -76,9 +90,16 @@ def _place(inner: Any, state: Any, params: Any, memory_kind: str) -> Any:
         shardings = _sharding.state_shardings(inner, params)
     else:
         shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.device_put(
-        state, jax.tree.map(lambda s: s.with_memory_kind(memory_kind), shardings)
+    # Two puts: JAX (0.10) cannot move a buffer to other devices and to
+    # another memory at once ("Memory kind mismatch with xla::PjRtBuffers"),
+    # as a step count made on one device and replicated on the mesh would.
+    state = jax.device_put(state, shardings)
+    kinds = jax.tree.map(
+        lambda x, s: s.with_memory_kind(memory_kind) if _moves(x) else s,
+        state,
+        shardings,
     )
+    return jax.device_put(state, kinds)
 
 
 def offload(
@@ -100,13 +121,24 @@ def offload(
     branch that returns the state in device memory next to one that keeps
     it in host memory.
 
+    Wherever a leaf of the state arrives (restored by Orbax into
+    ``jax.eval_shape(tx.init, params)``, so in device memory; a
+    hyperparameter written by hand), ``update`` and the steps of
+    `accumulate` and `MultiSteps` return it in ``memory_kind``: those put
+    every leaf there on entry. PRNG keys in the state stay in
+    device memory: a jitted program types a key in host memory as device
+    memory (JAX 0.10), and a key is a few bytes.
+
     Donating the state: under an Auto mesh ``jax.jit`` aliases each state
     buffer with its own output. Under an Explicit mesh it pairs donated
     buffers with outputs by shape alone unless every output's memory kind is
     known, so give the step ``out_shardings`` (`state_shardings` gives the
-    state's, memory kinds included). On one device, without a mesh, JAX (0.10)
-    leaves that pairing to XLA, which can hand a host buffer to a device
-    output: do not donate the state there.
+    state's, memory kinds included). On one device, without a mesh, JAX
+    (0.10) pairs them by shape alone unless the inputs' and the outputs'
+    memory kinds are both known, and a host buffer paired with a device
+    output aborts the process: give the step ``in_shardings`` and
+    ``out_shardings`` (`state_shardings` works on one device), or do not
+    donate the state there.
 
     Args:
       inner: the optimizer whose state to keep off the device.
@@ -157,6 +189,125 @@ def offload(
             return updates, _move(state, space)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def settle(
+    inner: optax.GradientTransformation, state: optax.OptState, params: Any
+) -> optax.OptState:
+    """``state`` where ``inner.init`` puts it: the invariant a step starts from.
+
+    A state leaf may arrive in any memory: restored by Orbax into
+    ``jax.eval_shape(tx.init, params)`` (device memory), written by the user
+    (``state.hyperparams["learning_rate"] = jnp.float32(1e-3)``), or picked
+    by a ``jnp.where`` outside `offload`. `accumulate` and `MultiSteps` call
+    this on entry, so that the ``lax.cond`` that runs ``inner`` only at a
+    boundary holds the same state in both branches (the boundary keeps it
+    there with `keep`): each leaf moves to the memory kind of the same leaf
+    of ``inner.init(params)``, traced, not run. The move is a no-op for a
+    leaf already there.
+
+    Args:
+      inner: the inner optimizer (`offload`, or a chain that holds one).
+      state: its state, as it arrived.
+      params: what ``inner.init`` takes (the gradients where ``update`` got
+        no parameters: only their shapes and dtypes are read).
+
+    Returns:
+      ``state``, each leaf in the memory kind ``inner.init`` gives it.
+
+    Raises:
+      ValueError: naming `offload` and the leaf, where ``inner.init`` keeps
+        some of its state off the device but ``state`` has other leaves, or a
+        leaf cannot be moved there.
+    """
+    init = _init_spaces(inner, params)
+    if init is None:
+        return state
+    init_paths, spaces = init
+    if jax.memory.Space.Host not in spaces and not any(
+        map(_off_device, jax.tree.leaves(state))
+    ):
+        return state  # nothing offloaded, nothing arrived off the device
+    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    if len(spaces) != len(paths):
+        names = [jax.tree_util.keystr(p) for p, _ in paths]
+        first = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(names, init_paths, strict=False))
+                if a != b
+            ),
+            min(len(names), len(init_paths)),
+        )
+        got = names[first] if first < len(names) else "(no more leaves)"
+        want = init_paths[first] if first < len(init_paths) else "(no more leaves)"
+        raise ValueError(
+            "`offload`: the inner optimizer's state has "
+            f"{len(paths)} leaves, but `inner.init` gives {len(spaces)}: at "
+            f"leaf {first}, the state has {got} where `inner.init` has "
+            f"{want}, so where each leaf lives cannot be told. Restore it into "
+            "a target with the state's own structure "
+            "(`jax.eval_shape(tx.init, params)` or "
+            "`optax_accum.state_shardings(tx, params)`)."
+        )
+    leaves = [
+        _to(x, space, jax.tree_util.keystr(path))
+        for (path, x), space in zip(paths, spaces, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def keep(new_state: optax.OptState, state: optax.OptState) -> optax.OptState:
+    """``new_state`` in the memory kinds of ``state`` (as `settle` left it):
+    the boundary branch of a ``lax.cond`` returns what its hold branch
+    returns, even where a ``jnp.where`` outside `offload` (``optax.
+    apply_if_finite``, for one) gave the new state in device memory."""
+
+    def put(path, x, like):
+        if not _is_array(x):
+            return x
+        return _to(x, jax.typeof(like).memory_space, jax.tree_util.keystr(path))
+
+    return jax.tree_util.tree_map_with_path(put, new_state, state)
+
+
+def _init_spaces(inner: Any, params: Any) -> tuple[list, list] | None:
+    """The path and memory space of each leaf of ``inner.init(params)``,
+    traced.
+
+    None where ``init`` cannot be traced on these (e.g. integer parameters'
+    float0 gradients stand in for absent parameters): the state then stays
+    as it came.
+    """
+    try:
+        closed, shapes = jax.make_jaxpr(inner.init, return_shape=True)(params)
+    except Exception:  # any failure: leave the state as it is
+        return None
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]
+    ]
+    return paths, [a.memory_space for a in closed.out_avals]
+
+
+def _off_device(x: Any) -> bool:
+    return _is_array(x) and jax.typeof(x).memory_space != jax.memory.Space.Device
+
+
+def _to(x: Any, space: Any, path: str) -> Any:
+    """``x`` in ``space`` (a no-op where it is there), or an error naming it."""
+    if not _is_array(x) or _is_key(x):
+        return x
+    if jax.typeof(x).memory_space == space:
+        return x
+    try:
+        return jax.device_put(x, space)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"`offload`: the inner optimizer's state leaf {path} "
+            f"({jax.typeof(x)}) cannot be moved to {space} memory, where "
+            f"`offload` keeps it: {e}"
+        ) from e
 
 
 def _kind(x: Any) -> str | None:

@@ -119,12 +119,16 @@ def zeros_like(x: Any, dtype: Any, unreduced_axes: frozenset = frozenset()) -> A
     return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
 
 
-def _annotation(like: Any) -> P | None:
+def _annotation(like: Any) -> P | NamedSharding | None:
     """``like``'s spec where it says more than 'replicated', else None (which
     also suits shard_map bodies and meshless code)."""
     spec = explicit_spec(like)
     if spec is not None and not (used_axes(spec) or spec.unreduced or spec.reduced):
         return None
+    if spec is not None and jax.sharding.get_abstract_mesh().empty:
+        # No mesh in context (parameters placed on an Explicit mesh, the
+        # step jitted without `jax.set_mesh`): name ``like``'s own mesh.
+        return NamedSharding(_sharding(like).mesh, spec)
     return spec
 
 
@@ -364,17 +368,28 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
     ``jax.set_mesh``) or puts them on one device (without it). Pass these to
     ``out_shardings`` (or to Orbax's restore as the target shardings): every
     subtree of the state with the parameters' structure and shapes gets the
-    parameters' shardings, every other leaf is replicated, and a state kept
-    in host memory (`offload`) has that memory kind. This is what optax
-    asks users to do by hand with ``optax.tree_map_params``.
+    parameters' shardings (a subtree in which ``optax.masked`` or
+    ``optax.multi_transform`` left an ``optax.MaskedNode`` in place of some
+    parameters too), every other leaf is replicated, and a state kept in host
+    memory (`offload`) has that memory kind. This is what optax asks users to
+    do by hand with ``optax.tree_map_params``.
+
+    On one device, without a mesh, each leaf gets its parameter's device (a
+    ``SingleDeviceSharding``), with the memory kind the state keeps: the
+    restore target of an `offload` ed state there.
 
     Args:
       tx: an optimizer (anything with ``init``), e.g. `accumulate(...)`.
-      params: the parameters, placed on the mesh (or ``ShapeDtypeStruct`` s
-        with shardings).
+      params: the parameters, placed on the mesh or on one device (or
+        ``ShapeDtypeStruct`` s with shardings). A parameter left on one
+        device next to others on a mesh counts as replicated on that mesh.
 
     Returns:
-      A pytree of ``NamedSharding`` with the structure of the state.
+      A pytree of ``NamedSharding`` (``SingleDeviceSharding`` on one device)
+      with the structure of the state.
+
+    Raises:
+      ValueError: if ``params`` are neither on a mesh nor on one device.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -391,14 +406,14 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
     """
     p_leaves, p_def = jax.tree.flatten(params)
     p_shardings = [getattr(x, "sharding", None) for x in p_leaves]
-    meshes = [s.mesh for s in p_shardings if isinstance(s, NamedSharding)]
-    if not meshes:
-        raise ValueError(
-            "`params` must be placed with NamedShardings on a mesh, got "
-            f"{[type(s).__name__ for s in p_shardings]}."
-        )
-    replicated = NamedSharding(meshes[0], P())
-    p_shapes = [(jnp.shape(x), jnp.result_type(x.dtype)) for x in p_leaves]
+    replicated = _replicated(p_shardings)
+    p_shardings = [
+        s if isinstance(s, NamedSharding) or replicated is None else replicated
+        for s in p_shardings
+    ]
+    if replicated is None:
+        replicated = p_shardings[0]
+    p_shapes = [jnp.shape(x) for x in p_leaves]
     closed, state = jax.make_jaxpr(tx.init, return_shape=True)(params)
     # A state kept off the device (`offload`) keeps its memory kind, so that
     # `out_shardings` built from these name every output's memory.
@@ -407,17 +422,32 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
         "pinned_host" if a.memory_space == host else "device" for a in closed.out_avals
     ]
 
+    def masked(x: Any) -> bool:
+        return isinstance(x, optax.MaskedNode)
+
     def like_params(node: Any) -> bool:
-        leaves, treedef = jax.tree.flatten(node)
+        if masked(node):
+            return False
+        leaves, treedef = jax.tree.flatten(node, is_leaf=masked)
         return (
             treedef == p_def
-            and bool(leaves)
-            and [jnp.shape(x) for x in leaves] == [s for s, _ in p_shapes]
+            and any(not masked(x) for x in leaves)
+            and all(
+                masked(x) or jnp.shape(x) == shape
+                for x, shape in zip(leaves, p_shapes, strict=True)
+            )
         )
 
     def assign(node: Any) -> Any:
         if like_params(node):
-            return jax.tree.unflatten(p_def, p_shardings)
+            leaves = jax.tree.leaves(node, is_leaf=masked)
+            return jax.tree.unflatten(
+                p_def,
+                [
+                    x if masked(x) else s
+                    for x, s in zip(leaves, p_shardings, strict=True)
+                ],
+            )
         return jax.tree.map(lambda _: replicated, node)
 
     shardings = jax.tree.map(assign, state, is_leaf=like_params)
@@ -429,3 +459,25 @@ def state_shardings(tx: Any, params: optax.Params) -> Any:
             for s, k in zip(leaves, kinds, strict=True)
         ],
     )
+
+
+def _replicated(shardings: list) -> Any:
+    """Replicated on the parameters' mesh; None for parameters on one
+    device; an error for parameters on neither."""
+    meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+    if meshes:
+        return NamedSharding(meshes[0], P())
+    devices = {
+        d
+        for s in shardings
+        if isinstance(s, jax.sharding.SingleDeviceSharding)
+        for d in s.device_set
+    }
+    if len(devices) != 1 or not all(
+        isinstance(s, jax.sharding.SingleDeviceSharding) for s in shardings
+    ):
+        raise ValueError(
+            "`params` must be placed with NamedShardings on a mesh, or all on "
+            f"one device, got {[type(s).__name__ for s in shardings]}."
+        )
+    return None

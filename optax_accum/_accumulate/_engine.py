@@ -32,6 +32,7 @@ from jax import lax
 
 from .. import _compiler, _dtypes, _extra_args, _partial_sums, _sharding, _weights
 from .. import _noise_scale as ns
+from .. import _offload as memory
 from .._checks import bool_scalar
 from .._devices import Devices
 from .._reduction import Mean, Sum
@@ -260,10 +261,15 @@ class Engine:
         self, emit, mb, window, params, acc, value, weight, micro, noise
     ):
         """The single `lax.cond`: the inner optimizer on boundary steps only."""
+        # Both branches return the inner state where `offload` keeps it,
+        # whatever memory it arrived in (a restore, a user's write).
+        inner_state = memory.settle(
+            self.inner, window.inner_state, mb.grads if params is None else params
+        )
         shapes = jax.eval_shape(
             functools.partial(self._inner_updates, mb.args),
             mb.grads,
-            window.inner_state,
+            inner_state,
             params,
             mb.args.dynamic,
         )
@@ -292,7 +298,7 @@ class Engine:
             value,
             weight,
             micro,
-            window.inner_state,
+            inner_state,
             params,
             mb.args.dynamic,
             local_stats,
@@ -317,7 +323,8 @@ class Engine:
         def step_inner(g, value, inner_state, params, dynamic):
             kwargs = _extra_args.for_inner(mb.args, dynamic, g, value)
             updates, new_inner = self.inner.update(g, inner_state, params, **kwargs)
-            return updates, _like(new_inner, inner_state), True
+            new_inner = memory.keep(_like(new_inner, inner_state), inner_state)
+            return updates, new_inner, True
 
         def skip_inner(g, value, inner_state, params, dynamic):
             del g, value, params, dynamic
