@@ -204,30 +204,3 @@ def test_noise_scale_measures_the_windows_after_the_hand_over():
     assert int(ns.windows) == int(ref_ns.windows) - 1 == 1
     np.testing.assert_allclose(ns.last_grad_sq, ref_ns.last_grad_sq, rtol=1e-5)
     np.testing.assert_allclose(ns.last_trace, ref_ns.last_trace, rtol=1e-5)
-
-
-@pytest.mark.parametrize("face", ["MultiSteps", "accumulate"])
-def test_swapped_state_and_params_name_state(face):
-    # Issue 33, §3: `update(grads, params, state)` raised AttributeError:
-    # 'dict' object has no attribute 'micro_step'.
-    tx = (
-        optax_accum.MultiSteps(optax.sgd(1.0), 2)
-        if face == "MultiSteps"
-        else optax_accum.accumulate(optax.sgd(1.0), 2)
-    )
-    params = {"w": jnp.zeros(2)}
-    state = tx.init(params)
-    with pytest.raises(TypeError, match=r"`state`.*swapped"):
-        tx.update(params, params, state)
-
-
-def test_a_wrong_grads_shape_names_the_leaf():
-    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
-    params = {"a": jnp.zeros(3), "w": jnp.zeros((4, 2))}
-    state = tx.init(params)
-    grads = {"a": jnp.zeros(3), "w": jnp.zeros((2, 4))}
-    with pytest.raises(
-        ValueError,
-        match=r"got \(2, 4\), expected \(4, 2\) at `grads\['w'\]`",
-    ):
-        tx.update(grads, state, params)

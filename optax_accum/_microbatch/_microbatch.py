@@ -22,7 +22,7 @@ from .. import _noise_scale as ns
 from .. import _sharding
 from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
-from ._call import batch_size
+from ._call import batch_size, note_unsplit
 from ._keywords import takes_keywords
 from ._local import device_local
 from ._loop import Loop, scan
@@ -186,7 +186,11 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
         tracker = kwargs.pop("noise_scale", None) if opts.decay is not None else None
         state = kwargs.pop("state", None) if opts.stateful else None
         with jax.named_scope("optax_accum/microbatch"):
-            out = _run(fun, opts, list(args), kwargs, state)
+            try:
+                out = _run(fun, opts, list(args), kwargs, state)
+            except Exception as e:
+                note_unsplit(e, list(args), opts)
+                raise
         result = _pack(out, opts)
         if opts.stateful:
             result = result, out.state
