@@ -16,7 +16,7 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import jax
 
@@ -139,6 +139,34 @@ class Keywords:
     )
 
 
+class StepKeywords(TypedDict, total=False):
+    """The `Keywords` that the Flax train steps pass through, for a type
+    checker (PEP 692): the steps set ``batch_argnums``, ``rng_argnums`` and
+    ``has_aux`` themselves. `Keywords` stays the declaration (defaults and
+    docs); ``tests/test_typing.py`` checks that the two agree."""
+
+    reduction: Reduction
+    weight_fn: WeightFn | None
+    accumulator_dtype: AccumulatorDType
+    axis_name: AxisName | None
+    data_axes: AxisName | None
+    param_gather: str | None
+    noise_scale_decay: float | None
+    aux_rows: Any
+
+
+class MicrobatchKeywords(StepKeywords, total=False):
+    """`microbatch`'s and `microbatch_value_and_grad`'s `Keywords`, for a type
+    checker: ``**kwargs: Unpack[MicrobatchKeywords]``."""
+
+    batch_argnums: int | Sequence[int]
+    has_aux: bool
+    rng_argnums: int | Sequence[int]
+
+
+#: The keywords the Flax steps set themselves (not in `StepKeywords`).
+STEP_RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
+
 FIELDS = dataclasses.fields(Keywords)
 NAMES = tuple(f.name for f in FIELDS)
 
@@ -192,7 +220,7 @@ def takes_keywords(fn: F) -> F:
                 )
         return fn(*args, **kwargs)
 
-    face.__signature__ = sig.replace(parameters=own + _parameters())
+    face.__signature__ = sig.replace(parameters=own + _parameters())  # type: ignore[attr-defined]
     lines = (fn.__doc__ or "").split("\n")
     for i, line in enumerate(lines):
         if line.strip() == MARKER:
