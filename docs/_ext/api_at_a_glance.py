@@ -54,27 +54,21 @@ FACE = {
 # Where the guide that names a name most often is not the one that shows it.
 GUIDE: dict[str, str | None] = {
     "MultiSteps": "getting_started",
-    "MultiStepsState": "checkpointing",
     "offload": "memory",
     "accumulate": "accumulate",
     "AdaptiveEveryK": None,
-    "ScheduleTable": "pipeline",
     "linen_train_step": "microbatch",
     "nnx_train_step": "microbatch",
     "find_state": "accumulate",
-    "SkipFn": "accumulate",
     "skip_not_finite": "accumulate",
-    "WeightFn": "microbatch",
     "scale_learning_rate": "learning_rate",
     "plan_microbatch": "planner",
     "plan_fused_step": "planner",
-    "MicrobatchPlan": "planner",
     "compiled_memory_bytes": "planner",
     "AccumulateState": "accumulate",
     "microbatch": "microbatch",
     "microbatch_value_and_grad": "microbatch",
     "state_shardings": "sharded_parameters",
-    "state_specs": "sharded_parameters",
     "defer_reduction": "sharded_parameters",
 }
 
