@@ -91,3 +91,14 @@ def test_mypy_reports_a_misspelt_keyword(right, wrong, face, keyword, cache, tmp
     assert out.returncode == 1, out.stdout + out.stderr
     (error,) = [line for line in out.stdout.splitlines() if ": error:" in line]
     assert f'Unexpected keyword argument "{keyword}" for "{face}"' in error
+
+
+@pytest.mark.slow
+def test_the_user_script_runs():
+    # The calls mypy checks are real calls: the script runs (a few seconds of
+    # compiling, hence slow).
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
