@@ -204,3 +204,26 @@ def test_noise_scale_measures_the_windows_after_the_hand_over():
     assert int(ns.windows) == int(ref_ns.windows) - 1 == 1
     np.testing.assert_allclose(ns.last_grad_sq, ref_ns.last_grad_sq, rtol=1e-5)
     np.testing.assert_allclose(ns.last_trace, ref_ns.last_trace, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours"),
+    [(None, SKIP), (SKIP, None), (SKIP, optax_accum.skip_large_updates(10.0))],
+    ids=["skip_only_ours", "skip_only_theirs", "another_skip"],
+)
+def test_from_optax_gives_the_skip_state_every_update_returns(theirs, ours):
+    inner = _inner("recording")
+    ms = optax_accum.MultiSteps(inner, K, should_skip_update_fn=ours)
+    state = ms.from_optax(
+        _handed_over({"should_skip_update_fn": theirs}, inner), PARAMS
+    )
+    rng = np.random.default_rng(4)
+    grads = jnp.asarray(rng.normal(size=(K, 3)), jnp.float32)
+
+    def step(s, g):
+        u, s = ms.update({"w": g, "b": jnp.float32(0)}, s, PARAMS, value=1.0)
+        return s, u
+
+    scanned, _ = jax.lax.scan(step, state, grads)  # one structure throughout
+    assert jax.tree.structure(scanned) == jax.tree.structure(state)
+    assert (int(scanned.gradient_step), int(scanned.mini_step)) == (1, PRE)

@@ -276,8 +276,9 @@ class MultiSteps:
 
         - ``updated`` (with ``should_skip_update_fn``): optax's test,
           ``mini_step == 0`` after an update;
-        - ``skip_state`` (a skip function here, none in optax's): the skip
-          function's initial one;
+        - ``skip_state``: the skip function's initial one where optax's state
+          holds another (no skip function there, or another one), ``()``
+          without a skip function here;
         - ``acc_value`` (the wrapped optimizer reads ``value``): an empty
           `ValueSince`. The window then passes on the mean (or sum) of the
           values seen from here on: optax's state never held the earlier
@@ -326,8 +327,13 @@ class MultiSteps:
         engine = self._engine
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
         skip_state, updated = state.skip_state, getattr(state, "updated", ())
-        if engine.skip is not None:
-            if _is_off(skip_state):
+        if engine.skip is None:
+            skip_state = ()  # what every update returns (optax's had one)
+        else:
+            # An optax state without a skip function (or with another one)
+            # holds another skip state than every update returns.
+            fresh = jax.eval_shape(engine.init_skip_state, params)
+            if jax.tree.structure(skip_state) != jax.tree.structure(fresh):
                 skip_state = engine.init_skip_state(params)
             if _is_off(updated):
                 updated = emitted(state)
