@@ -6,7 +6,11 @@
 `takes_keywords` builds a face's public signature (``inspect.signature``,
 Sphinx) and the keywords' entries of its ``Args:`` from it, so that adding an
 option touches this file and `_options.options`, which checks it, and no
-face. The checked form the loop trusts is `_options.Options`.
+face. A static checker cannot run that code, so the faces' ``**kwargs`` are
+typed with `MicrobatchKeywords` (the Flax steps' with `StepKeywords`), the
+same names and types as TypedDicts (PEP 692); ``tests/test_typing.py`` checks
+that they agree with `Keywords`. The checked form the loop trusts is
+`_options.Options`.
 """
 
 from __future__ import annotations
