@@ -267,10 +267,16 @@ def _has_noise_scale(opt_state: Any) -> bool:
     return True
 
 
+# One word for both, and what each measures: the table's number is taken on
+# the whole training set at the end, the plot's curve on each update's batch.
+TRAIN_LOSS_TABLE = "the mean over the whole training set, after the last update"
+TRAIN_LOSS_PLOT = "the mean over the update's batch, before it"
+
+
 def _table(results, k, b, steps, lr, big_lr) -> str:
     header = (
         "run",
-        "final loss",
+        "train loss",
         "test acc",
         "max |Δparam| vs large",
         "ms / update",
@@ -296,11 +302,13 @@ def _table(results, k, b, steps, lr, big_lr) -> str:
 
     title = (
         f"digits, nnx MLP 64-128-10, Adam, {steps} updates; lr {lr:g} for "
-        f"batch {b}, {big_lr:.3g} for {k}x{b} (sqrt rule); final loss on the "
-        "training set"
+        f"batch {b}, {big_lr:.3g} for {k}x{b} (sqrt rule)"
     )
     rule = "-" * len(line(header))
-    return "\n".join([title, rule, line(header), rule, *map(line, rows), rule])
+    note = (
+        f"train loss: {TRAIN_LOSS_TABLE}; the plot shows {TRAIN_LOSS_PLOT}, per update."
+    )
+    return "\n".join([title, rule, line(header), rule, *map(line, rows), rule, note])
 
 
 def _plot(results: list[RunResult], out: Path, k: int, b: int) -> Path:
@@ -326,7 +334,7 @@ def _plot(results: list[RunResult], out: Path, k: int, b: int) -> Path:
         )
     ax.set_yscale("log")
     ax.set_xlabel("update")
-    ax.set_ylabel("training loss (batch mean)")
+    ax.set_ylabel(f"train loss ({TRAIN_LOSS_PLOT})")
     ax.set_title(f"Accumulating {k}x{b} reproduces the batch of {k * b}")
     ax.legend()
     fig.tight_layout()

@@ -271,7 +271,8 @@ def launch_local(
     return LocalRun(
         returncodes=[p.returncode for p in job.procs],
         outputs=["".join(o) for o in job.outputs],
-        exit_times=[float(t) for t in job.exit_times],
+        # kill_the_rest set every exit time that wait left unset.
+        exit_times=[float(t) for t in job.exit_times if t is not None],
         killed=job.killed,
     )
 

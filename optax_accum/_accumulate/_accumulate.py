@@ -23,7 +23,7 @@ from .._devices import Devices
 from .._typing import AccumulatorDType, AxisName, Reduction
 from . import _skip
 from ._clip_warning import warn_if_clipped_before
-from ._engine import Engine, Window
+from ._engine import Engine, Window, check_state
 
 
 class AccumulateState(NamedTuple):
@@ -281,6 +281,7 @@ def _init(engine: Engine, params: optax.Params) -> AccumulateState:
 
 def _update(engine, grads, state, params, weight, close_window, extra_args):
     """One micro-step: the state as the engine's window, and back."""
+    check_state(state, AccumulateState._fields, "accumulate")
     window = Window(
         state.micro_step,
         state.update_step,

@@ -168,6 +168,11 @@ class Engine:
             micro = window.micro_step + mb.accept.astype(jnp.int32)
             k = self.k_of(window.update_step, window.noise)
             emit = (micro > 0) & ((micro >= k) | mb.close)
+            if isinstance(value, _value_since.ValueSince) and mb.args.value is not None:
+                # A window restored mid-way holds no value until it sees one:
+                # it stays open, so the inner never gets a value it was not
+                # given (`MultiSteps.from_optax`).
+                emit = emit & (value.count > 0)
             updates, inner_state, stepped, stats = self._update_or_hold(
                 emit, mb, window, params, acc, _value_since.current(value),
                 mean_weight, micro, noise,
@@ -353,6 +358,19 @@ class Engine:
         return tree, total, stats
 
 
+def check_state(state: Any, fields: tuple[str, ...], owner: str) -> None:
+    """``state`` must be the optimizer's state (e.g. not the parameters passed
+    in its place: ``update(grads, params, state)``)."""
+    missing = [f for f in fields if not hasattr(state, f)]
+    if missing:
+        raise TypeError(
+            f"`state` must be {owner}'s state (from its `init` or a previous "
+            f"`update`), got a {type(state).__name__} without "
+            f"`{missing[0]}`. The call is `update(grads, state, params)`: "
+            "were `state` and `params` swapped?"
+        )
+
+
 def _check_grads(grads: Any, accumulator: Any, devices: Devices) -> None:
     """The gradients must match the state: structure, shapes, shardings."""
     tree = jax.tree.structure(accumulator)
@@ -363,11 +381,13 @@ def _check_grads(grads: Any, accumulator: Any, devices: Devices) -> None:
             f"{jax.tree.structure(grads)}."
         )
     slot = devices.slot
-    for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(accumulator), strict=True):
+    paths = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), a in zip(paths, jax.tree.leaves(accumulator), strict=True):
         if slot + jnp.shape(g) != jnp.shape(a):
             raise ValueError(
                 "`grads` leaf shapes must match the state's accumulator: got "
-                f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]}."
+                f"{jnp.shape(g)}, expected {jnp.shape(a)[len(slot) :]} at "
+                f"`grads{jax.tree_util.keystr(path)}`."
             )
     _sharding.check_like(grads, accumulator, len(slot))
 

@@ -28,7 +28,7 @@ from .._devices import Devices
 from .._typing import AccumulatorDType, AxisName
 from . import _skip, _value_since
 from ._clip_warning import warn_if_clipped_before
-from ._engine import Engine, Window
+from ._engine import Engine, Window, check_state
 
 
 class MultiStepsState(NamedTuple):
@@ -151,18 +151,17 @@ class MultiSteps:
     An ``optax.MultiSteps`` state continues in ours, mid-window too, and so
     does its checkpoint: with our features off, the state has optax's leaves
     under optax's names, so Orbax restores it into
-    ``jax.eval_shape(ms.init, params)``. Two features add a leaf that an
-    optax checkpoint lacks, and Orbax's restore names it: ``updated``, with
-    ``should_skip_update_fn`` (optax's fields cannot tell a rejected
-    mini-step after an update from the update), and ``acc_value``, where the
-    wrapped optimizer reads ``value``. Restore into ``jax.eval_shape(ms.init,
-    params)._replace(updated=(), acc_value=())``. The inner optimizer then
-    still gets the window's value: over a whole window, the mean (the sum
-    without ``use_grad_mean``) of its values, as ours does. Restored
-    mid-window, it gets the mean (or sum) of the values seen since the
-    restore: optax's state never held the ones before. From then on
-    ``acc_value`` holds that value with its count, so the state's own
-    checkpoints restore into ``jax.eval_shape(lambda: state)``. The other
+    ``jax.eval_shape(ms.init, params)``. Our options may keep leaves that
+    optax's state lacks (``updated`` with ``should_skip_update_fn``,
+    ``acc_value`` where the wrapped optimizer reads ``value``,
+    ``noise_scale``): restore into optax's structure,
+    ``jax.eval_shape(lambda p: ms.init(p).to_optax(), params)``, and hand
+    the result to `from_optax`, which fills them in, so the state keeps one
+    structure from there on (a ``lax.scan`` carry must). The inner optimizer
+    then still gets the window's value: over a whole window, the mean (the
+    sum without ``use_grad_mean``) of its values, as ours does; in the window
+    restored mid-way, the mean (or sum) of the values seen since the
+    restore, as optax's state never held the ones before. The other
     way, hand optax ``state.to_optax()`` (`MultiStepsState.to_optax`), not
     our state itself: our ``acc_grads`` is not zeroed at an empty window.
 
@@ -262,24 +261,110 @@ class MultiSteps:
                 "`weight=`."
             )
         close_window = extra_args.pop("close_window", False)
-        window = self._window(state, params, extra_args)
+        state = self._complete(state, params, value="value" in extra_args)
+        window = self._window(state)
         out = self._engine.step(updates, window, params, None, close_window, extra_args)
         updated = () if self._engine.skip is None else out.stepped
         return out.updates, _state(out.window, out.skip_state, updated)
 
-    def _window(self, state: Any, params: Any, extra_args: dict) -> Window:
-        """Our state, or optax's (a checkpoint), as the engine's window."""
+    def from_optax(self, state: Any, params: optax.Params) -> MultiStepsState:
+        """An ``optax.MultiSteps`` state (or a checkpoint of one) as ours.
+
+        Fills in the leaves that our options keep and optax's state lacks, so
+        that the result has the structure that every `update` returns (a
+        ``lax.scan`` carry must keep its structure):
+
+        - ``updated`` (with ``should_skip_update_fn``): optax's test,
+          ``mini_step == 0`` after an update;
+        - ``skip_state``: the skip function's initial one where optax's state
+          holds another (no skip function there, or another one), ``()``
+          without a skip function here;
+        - ``acc_value`` (the wrapped optimizer reads ``value``): an empty
+          `ValueSince`. The window then passes on the mean (or sum) of the
+          values seen from here on: optax's state never held the earlier
+          ones. A window restored mid-way that has seen no value yet does
+          not close (neither by ``close_window`` nor at ``k``) until it has
+          one: the inner optimizer never gets a value it was not given;
+        - ``noise_scale`` (with ``noise_scale_decay``): a fresh estimate; a
+          window restored mid-way measures nothing (its earlier micro-batch
+          gradients are gone), the next ones do.
+
+        `update` does the same to a state that lacks them, so a Python loop
+        may pass optax's state directly; a ``lax.scan`` needs this first.
+
+        Args:
+          state: an ``optax.MultiStepsState``, or ours restored without some
+            of our leaves (e.g. ``_replace(updated=(), acc_value=())``).
+          params: the parameters (as passed to `update`).
+
+        Returns:
+          A `MultiStepsState` with every leaf that `update` returns.
+
+        Raises:
+          TypeError: if ``state`` has not optax's ``MultiStepsState`` fields.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, optax, optax_accum
+          >>> opt = optax.sgd(1.0)
+          >>> skip = {"should_skip_update_fn": optax.skip_not_finite}
+          >>> theirs = optax.MultiSteps(opt, 2, **skip)
+          >>> ours = optax_accum.MultiSteps(opt, 2, **skip)
+          >>> params = {"w": jnp.zeros([])}
+          >>> state = theirs.init(params)
+          >>> _, state = theirs.update({"w": jnp.array(1.0)}, state, params)
+          >>> state = ours.from_optax(state, params)
+          >>> step = lambda s, g: (ours.update({"w": g}, s, params)[1], None)
+          >>> state, _ = jax.lax.scan(step, state, jnp.array([3.0, 5.0]))
+          >>> int(state.gradient_step), int(state.mini_step)
+          (1, 1)
+        """
+        return self._complete(state, params, value=True)
+
+    def _complete(self, state: Any, params: Any, *, value: bool) -> MultiStepsState:
+        """``state`` with every leaf our options keep (see `from_optax`);
+        ``value``: whether a value slot may be needed (a ``value`` is passed)."""
+        check_state(state, optax.MultiStepsState._fields, "MultiSteps")
+        engine = self._engine
         mini_step = jnp.asarray(state.mini_step, jnp.int32)
-        value = getattr(state, "acc_value", ())
-        # An optax state (or ours restored from its checkpoint with
-        # ``acc_value=()``) has no value slot: the window's value is that of
-        # the values seen from here on (`_value_since`).
+        skip_state, updated = state.skip_state, getattr(state, "updated", ())
+        if engine.skip is None:
+            skip_state = ()  # what every update returns (optax's had one)
+        else:
+            # An optax state without a skip function (or with another one)
+            # holds another skip state than every update returns.
+            fresh = jax.eval_shape(engine.init_skip_state, params)
+            if jax.tree.structure(skip_state) != jax.tree.structure(fresh):
+                skip_state = engine.init_skip_state(params)
+            if _is_off(updated):
+                updated = emitted(state)
+        acc_value = getattr(state, "acc_value", ())
         if (
-            _is_off(value)
-            and "value" in extra_args
+            _is_off(acc_value)
+            and value
             and _extra_args.reads_value(self._opt, params, state.inner_opt_state)
         ):
-            value = _value_since.empty(_extra_args.value_dtype(params))
+            acc_value = _value_since.empty(_extra_args.value_dtype(params))
+        noise = getattr(state, "noise_scale", ())
+        if engine.noise_scale_decay is not None and _is_off(noise):
+            noise = ns.init(engine.devices.slot, engine.adaptive)
+            # Mid-window the earlier micro-batches' norms are gone: a NaN
+            # count fails the measurement's test (count > 1) until the next
+            # window resets it.
+            noise = noise._replace(count=jnp.where(mini_step > 0, jnp.nan, noise.count))
+        return MultiStepsState(
+            mini_step=state.mini_step,
+            gradient_step=state.gradient_step,
+            inner_opt_state=state.inner_opt_state,
+            acc_grads=state.acc_grads,
+            skip_state=skip_state,
+            acc_value=acc_value,
+            noise_scale=noise,
+            updated=updated,
+        )
+
+    def _window(self, state: MultiStepsState) -> Window:
+        """Our (completed) state as the engine's window."""
+        mini_step = jnp.asarray(state.mini_step, jnp.int32)
         # Unit weights: the window's mean weight is 1 once it holds one.
         weight_dtype = _dtypes.weight_dtype(state.acc_grads)
         return Window(
@@ -288,8 +373,8 @@ class MultiSteps:
             accumulator=state.acc_grads,
             weight=(mini_step > 0).astype(weight_dtype),
             inner_state=state.inner_opt_state,
-            value=value,
-            noise=getattr(state, "noise_scale", ()),
+            value=state.acc_value,
+            noise=state.noise_scale,
         )
 
     def has_updated(self, state: MultiStepsState | Any) -> jax.Array:

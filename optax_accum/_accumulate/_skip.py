@@ -32,8 +32,14 @@ class SkipFn(Protocol):
     ``(should_skip, skip_state)`` whose second element is stored in the state.
     """
 
+    # Positional-only, as the engine calls it: a skip function may name its
+    # parameters as it likes (optax's name the second one ``step``).
     def __call__(
-        self, grads: optax.Updates, update_step: jax.Array, params: optax.Params | None
+        self,
+        grads: optax.Updates,
+        update_step: jax.Array,
+        params: optax.Params | None,
+        /,
     ) -> jax.Array | tuple[jax.Array, Any]: ...
 
 

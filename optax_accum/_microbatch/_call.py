@@ -63,6 +63,36 @@ def batch_size(args: list, opts: Options) -> int:
     return size
 
 
+def note_unsplit(error: BaseException, args: list, opts: Options) -> None:
+    """Adds a note to ``fun``'s error where an argument that is not split has
+    the batch's leading size: most often a batch passed as two arguments,
+    ``loss(params, x, y)``, with the default ``batch_argnums=1``."""
+    if not hasattr(error, "add_note"):  # Python 3.10
+        return
+    try:
+        size = batch_size(args, opts)
+    except Exception:
+        return
+    split = (*opts.batch_idx, *opts.rng_idx)
+    suspects = [
+        (i, f"argument {i}{jax.tree_util.keystr(path)}, of shape {jnp.shape(x)},")
+        for i, a in enumerate(args)
+        if i not in split
+        for path, x in jax.tree_util.tree_leaves_with_path(a)
+        if jnp.ndim(x) > 0 and jnp.shape(x)[0] == size
+    ]
+    if suspects:
+        i, leaf = suspects[0]
+        fix = tuple(sorted({*opts.batch_idx, i}))
+        error.add_note(
+            f"optax_accum: only the `batch_argnums`={opts.batch_idx} arguments "
+            f"are split into {opts.k} micro-batches, but {leaf} also has the "
+            f"batch's leading size {size} and reaches each micro-batch whole. "
+            "If it is part of the batch (e.g. the labels of "
+            f"`loss(params, x, y)`), pass `batch_argnums={fix}`."
+        )
+
+
 def views(args: list, opts: Options) -> dict[int, Any]:
     """Each batch argument as ``(B/k, k, ...)``: micro-batch ``i`` is column
     ``i`` (rows ``i, i+k, ...``), a free reshape that keeps the rows' sharding."""

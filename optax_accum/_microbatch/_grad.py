@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._keywords import takes_keywords
+from .._typing import Unpack
+from ._keywords import MicrobatchKeywords, takes_keywords
 from ._microbatch import _microbatched
 from ._options import check_callable, options
 
@@ -26,7 +27,7 @@ def microbatch_value_and_grad(
     num_microbatches: int,
     *,
     argnums: int | Sequence[int] = 0,
-    **kwargs: Any,
+    **kwargs: Unpack[MicrobatchKeywords],
 ) -> Callable[..., Any]:
     r"""`jax.value_and_grad` of ``loss`` over micro-batches, in one `lax.scan`.
 

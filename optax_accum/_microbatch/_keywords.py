@@ -6,7 +6,11 @@
 `takes_keywords` builds a face's public signature (``inspect.signature``,
 Sphinx) and the keywords' entries of its ``Args:`` from it, so that adding an
 option touches this file and `_options.options`, which checks it, and no
-face. The checked form the loop trusts is `_options.Options`.
+face. A static checker cannot run that code, so the faces' ``**kwargs`` are
+typed with `MicrobatchKeywords` (the Flax steps' with `StepKeywords`), the
+same names and types as TypedDicts (PEP 692); ``tests/test_typing.py`` checks
+that they agree with `Keywords`. The checked form the loop trusts is
+`_options.Options`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import jax
 
@@ -139,6 +143,34 @@ class Keywords:
     )
 
 
+class StepKeywords(TypedDict, total=False):
+    """The `Keywords` that the Flax train steps pass through, for a type
+    checker (PEP 692): the steps set ``batch_argnums``, ``rng_argnums`` and
+    ``has_aux`` themselves. `Keywords` stays the declaration (defaults and
+    docs); ``tests/test_typing.py`` checks that the two agree."""
+
+    reduction: Reduction
+    weight_fn: WeightFn | None
+    accumulator_dtype: AccumulatorDType
+    axis_name: AxisName | None
+    data_axes: AxisName | None
+    param_gather: str | None
+    noise_scale_decay: float | None
+    aux_rows: Any
+
+
+class MicrobatchKeywords(StepKeywords, total=False):
+    """`microbatch`'s and `microbatch_value_and_grad`'s `Keywords`, for a type
+    checker: ``**kwargs: Unpack[MicrobatchKeywords]``."""
+
+    batch_argnums: int | Sequence[int]
+    has_aux: bool
+    rng_argnums: int | Sequence[int]
+
+
+#: The keywords the Flax steps set themselves (not in `StepKeywords`).
+STEP_RESERVED = ("batch_argnums", "rng_argnums", "has_aux")
+
 FIELDS = dataclasses.fields(Keywords)
 NAMES = tuple(f.name for f in FIELDS)
 
@@ -192,7 +224,7 @@ def takes_keywords(fn: F) -> F:
                 )
         return fn(*args, **kwargs)
 
-    face.__signature__ = sig.replace(parameters=own + _parameters())
+    face.__signature__ = sig.replace(parameters=own + _parameters())  # type: ignore[attr-defined]
     lines = (fn.__doc__ or "").split("\n")
     for i, line in enumerate(lines):
         if line.strip() == MARKER:

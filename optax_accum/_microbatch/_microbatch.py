@@ -22,8 +22,9 @@ from .. import _noise_scale as ns
 from .. import _sharding
 from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
-from ._call import batch_size
-from ._keywords import takes_keywords
+from .._typing import Unpack
+from ._call import batch_size, note_unsplit
+from ._keywords import MicrobatchKeywords, takes_keywords
 from ._local import device_local
 from ._loop import Loop, scan
 from ._options import Context, Options, check_callable, check_no_nnx_modules, options
@@ -34,7 +35,9 @@ _RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 @renamed_arguments(_RENAMED)
 @takes_keywords
 def microbatch(
-    fun: Callable[..., Any], num_microbatches: int, **kwargs: Any
+    fun: Callable[..., Any],
+    num_microbatches: int,
+    **kwargs: Unpack[MicrobatchKeywords],
 ) -> Callable[..., Any]:
     r"""Runs a value-and-grad function over micro-batches in one `lax.scan`.
 
@@ -186,7 +189,11 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
         tracker = kwargs.pop("noise_scale", None) if opts.decay is not None else None
         state = kwargs.pop("state", None) if opts.stateful else None
         with jax.named_scope("optax_accum/microbatch"):
-            out = _run(fun, opts, list(args), kwargs, state)
+            try:
+                out = _run(fun, opts, list(args), kwargs, state)
+            except Exception as e:
+                note_unsplit(e, list(args), opts)
+                raise
         result = _pack(out, opts)
         if opts.stateful:
             result = result, out.state

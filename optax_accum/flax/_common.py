@@ -11,7 +11,7 @@ loop's output taken apart. The public steps are `optax_accum.flax`'s.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,10 +40,10 @@ _ACCEPTED = tuple(
 def step_options(
     loss_fn: Any,
     num_microbatches: Any,
-    microbatch_kwargs: dict,
+    microbatch_kwargs: Mapping[str, Any],
     helper: str,
     has_aux: bool,
-) -> tuple[dict, Options]:
+) -> tuple[Any, Options]:
     """A helper's arguments, checked at construction in ``helper``'s name;
     returns the keywords for `fused_loop` and their checked `Options`."""
     if not callable(loss_fn):
@@ -55,7 +55,7 @@ def step_options(
                 "own keyword and builds the batch and rng arguments from the "
                 "step's signature."
             )
-    kwargs = rename(microbatch_kwargs, {"mesh_axes": "data_axes"}, helper, 6)
+    kwargs = rename(dict(microbatch_kwargs), {"mesh_axes": "data_axes"}, helper, 6)
     unknown = [name for name in kwargs if name not in _ACCEPTED]
     if unknown:
         raise TypeError(

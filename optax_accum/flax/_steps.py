@@ -11,6 +11,8 @@ import optax
 from flax import nnx
 
 from .._deprecations import renamed_arguments
+from .._microbatch import StepKeywords
+from .._typing import Unpack
 from . import _nnx
 from ._common import (
     check_loss_scale,
@@ -32,7 +34,7 @@ def nnx_train_step(
     *,
     has_aux: bool = False,
     loss_scaling: bool = False,
-    **microbatch_kwargs: Any,
+    **microbatch_kwargs: Unpack[StepKeywords],
 ) -> Callable[..., Any]:
     """Builds ``step(model, optimizer, *batch)`` for a `flax.nnx` model.
 
@@ -186,7 +188,7 @@ def linen_train_step(
     *,
     has_aux: bool = False,
     loss_scaling: bool = False,
-    **microbatch_kwargs: Any,
+    **microbatch_kwargs: Unpack[StepKeywords],
 ) -> Callable[..., Any]:
     """Builds ``step(state, *batch, rng=None)`` for a `flax.linen` TrainState.
 

@@ -41,7 +41,7 @@ def test_demo_end_to_end(tmp_path):
         match = re.search(rf"^{re.escape(name)}\s+(.*)$", text, re.MULTILINE)
         assert match, text
         rows[name] = match.group(1).split()
-    # Columns: final loss, test acc, max |Δparam|, ms / update, temp memory.
+    # Columns: train loss, test acc, max |Δparam|, ms / update, temp memory.
     for name in ("accumulate 3x8", "microbatch 3x8"):
         assert float(rows[name][2]) <= 1e-4
         # Same parameters as the large batch, so the same loss to 4 decimals.
@@ -65,6 +65,8 @@ def test_demo_end_to_end(tmp_path):
     assert f"Wrote the loss curves to {png}" in text
     assert png.read_bytes().startswith(PNG_MAGIC)
     assert "OK: the accumulated runs match the large batch 24 run" in text
+    # The table and the plot say "train loss", each with what it averages.
+    assert "train loss: the mean over the whole training set" in text
 
 
 HINT = 'pip install "optax_accum[examples]"'

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Errors a newcomer hit, and what they now say (issue 33, §3)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+
+
+def _loss(p, x, y):
+    return jnp.mean((x @ p - y) ** 2)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is 3.11+")
+@pytest.mark.parametrize("face", ["microbatch", "microbatch_value_and_grad"])
+def test_a_batch_in_two_arguments_gets_a_note_naming_batch_argnums(face):
+    # `loss(params, x, y)` with the default batch_argnums=1 split only x:
+    # "sub got incompatible shapes for broadcasting: (8, 2), (32, 2)".
+    f = (
+        optax_accum.microbatch(jax.value_and_grad(_loss), 4)
+        if face == "microbatch"
+        else optax_accum.microbatch_value_and_grad(_loss, 4)
+    )
+    x, y = jnp.ones((32, 2)), jnp.ones((32, 2))
+    with pytest.raises(TypeError, match="incompatible shapes") as info:
+        f(jnp.zeros((2, 2)), x, y)
+    (note,) = [n for n in info.value.__notes__ if "optax_accum" in n]
+    assert "`batch_argnums`=(1,)" in note
+    assert "argument 2, of shape (32, 2)," in note
+    assert "pass `batch_argnums=(1, 2)`" in note
+    # With both split, it runs and is the full batch's.
+    g = optax_accum.microbatch(jax.value_and_grad(_loss), 4, batch_argnums=(1, 2))
+    p = jnp.full((2, 2), 0.5)
+    ref = jax.value_and_grad(_loss)(p, x, y)
+    got = g(p, x, y)
+    assert jnp.allclose(got[0], ref[0]) and jnp.allclose(got[1], ref[1])
+
+
+def test_no_note_where_no_other_argument_has_the_batch_size():
+    def bad(p, x):
+        raise RuntimeError("boom")
+
+    f = optax_accum.microbatch(bad, 4)
+    with pytest.raises(RuntimeError, match="boom") as info:
+        f(jnp.zeros((2, 2)), jnp.ones((32, 2)))
+    assert not any("optax_accum" in n for n in getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("face", ["MultiSteps", "accumulate"])
+def test_swapped_state_and_params_name_state(face):
+    # Issue 33, §3: `update(grads, params, state)` raised AttributeError:
+    # 'dict' object has no attribute 'micro_step'.
+    tx = (
+        optax_accum.MultiSteps(optax.sgd(1.0), 2)
+        if face == "MultiSteps"
+        else optax_accum.accumulate(optax.sgd(1.0), 2)
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"`state`.*swapped"):
+        tx.update(params, params, state)
+
+
+def test_a_wrong_grads_shape_names_the_leaf():
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    params = {"a": jnp.zeros(3), "w": jnp.zeros((4, 2))}
+    state = tx.init(params)
+    grads = {"a": jnp.zeros(3), "w": jnp.zeros((2, 4))}
+    with pytest.raises(
+        ValueError,
+        match=r"got \(2, 4\), expected \(4, 2\) at `grads\['w'\]`",
+    ):
+        tx.update(grads, state, params)
