@@ -57,7 +57,8 @@ def microbatch(
     tokens as weight and a token-mean loss, the mean is the full-batch token
     mean exactly. ``aux`` comes back stacked along a new leading axis of length
     ``k``. Every ``k`` has these semantics, ``k = 1`` included (weights,
-    reduction and all; XLA removes the loop of one trip, so it costs nothing).
+    reduction and all; one micro-batch runs as straight-line code, so it costs
+    what ``fun`` costs).
 
     **Weights** follow `accumulate`'s contract: a weight of 0 contributes
     nothing (even a NaN token mean), a NaN, infinite or negative weight
