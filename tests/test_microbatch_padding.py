@@ -187,3 +187,12 @@ def test_a_padding_micro_batch_under_noise_scale_keeps_the_statistics():
     np.testing.assert_allclose(tracker.b_big, total, rtol=1e-6)
     np.testing.assert_allclose(tracker.b_small, total / 3, rtol=1e-6)
     assert np.isfinite(tracker.last_grad_sq) and np.isfinite(tracker.last_trace)
+
+
+def test_on_a_mesh_the_loop_keeps_the_plain_add():
+    # There the compiler reduces each micro-batch's gradients in the loop; a
+    # conditional would keep XLA from moving that reduction out of it.
+    p, x, y, mask = _data((3,))
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        comps, _ = _program(_faces()["loss"], p, x, y, mask)
+    assert not hlo.branch_roots(comps)

@@ -143,7 +143,7 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     if opts.weight_fn is not None:
         ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
     how = plan(ws, shapes, opts, ctx)
-    skips = _skips(how, shapes, opts, ctx)
+    skips = _skips(how, shapes, opts, ctx, args)
 
     def step(carry: Carry, margs: list, i: jax.Array, selected: bool):
         seed = how.multipliers[i] if how.in_backward else None
@@ -197,21 +197,37 @@ def _loop(body, init: Carry, k: int, unroll: int):
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 
 
-def _skips(how: Plan, shapes: Call, opts: Options, ctx: Context) -> bool:
+def _skips(how: Plan, shapes: Call, opts: Options, ctx: Context, args: list) -> bool:
     """Whether a weight-0 micro-batch is skipped under `lax.cond` (no work).
 
     Where its outputs are unused: on the loss face, whose forward pass alone
     still gives the aux and the state, and for a value-and-grad ``fun``
     without aux, state or loss scale (whose aux and state only a whole call
-    gives, and whose overflow a step observes). In the global view only: per
-    device (``shard_map``) a branch would differ between devices that run
-    the collectives of ``fun``'s other mesh axes together.
+    gives, and whose overflow a step observes). And off any mesh: on a mesh
+    the compiler reduces each micro-batch's gradients over the devices inside
+    the loop, and a conditional between that reduction and the carry would
+    keep XLA from moving it out of the loop (see "Why the body is a plain
+    add" in the design guide); per device (``shard_map``) a branch could also
+    differ between devices that run ``fun``'s collectives together.
     """
-    if how.weights is None or ctx.axes is not None:
+    if how.weights is None or ctx.axes is not None or _on_mesh(args, opts):
         return False
     if opts.differentiates:
         return True
     return not (opts.has_aux or opts.stateful or shapes.scaled is not None)
+
+
+def _on_mesh(args: list, opts: Options) -> bool:
+    """Whether the step runs under a mesh (``jax.set_mesh``) or its batch
+    is typed with one (an Explicit mesh)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return True
+    leaves = jax.tree.leaves([args[i] for i in opts.batch_idx])
+    return any(
+        not jax.typeof(x).sharding.mesh.empty
+        for x in leaves
+        if isinstance(x, jax.Array)
+    )
 
 
 def _rows(margs: list, opts: Options) -> int:
