@@ -36,8 +36,8 @@ import optax_accum
 from optax_accum.flax import nnx_train_step
 
 CONFIGS: dict[str, dict[str, int]] = {
-    "cpu": {"batch": 32, "k": 4, "rounds": 9},
-    "quick": {"batch": 16, "k": 4, "rounds": 5},
+    "cpu": {"batch": 32, "k": 4, "k_unroll": 16, "rounds": 9},
+    "quick": {"batch": 16, "k": 4, "k_unroll": 8, "rounds": 5},
 }
 FLOOR = "k micro-batches unrolled in Python (the floor)"
 
@@ -92,6 +92,17 @@ def _gradient_variants(k: int) -> tuple[dict[str, Any], Any]:
         acc, _ = lax.scan(body, zeros, jnp.arange(k))
         return jax.tree.map(lambda a: a / k, acc)
 
+    def block_scan(p, x, y):  # micro-batch i = rows i*B/k ... (i+1)*B/k - 1
+        xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+        ys = y.reshape(k, y.shape[0] // k)
+
+        def body(acc, xy):
+            return jax.tree.map(jnp.add, acc, vg(p, *xy)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), p))
+        acc, _ = lax.scan(body, zeros, (xs, ys))
+        return jax.tree.map(lambda a: a / k, acc)
+
     def unrolled(p, x, y):
         outs = [vg(p, x[i::k], y[i::k]) for i in range(k)]
         return jax.tree.map(lambda *a: sum(a) / k, *outs)
@@ -102,6 +113,7 @@ def _gradient_variants(k: int) -> tuple[dict[str, Any], Any]:
         f"`microbatch`, k = {k} (the loop)": mb(k),
         f"`microbatch`, k = {k}, `unroll=True`": mb(k, unroll=True),
         f"hand-written `lax.scan`, k = {k}": hand_scan,
+        f"hand-written `lax.scan` over contiguous blocks, k = {k}": block_scan,
         FLOOR: unrolled,
     }
     return variants, params
@@ -117,6 +129,34 @@ def _gradient_rows(cfg: dict, rounds: int) -> dict:
         {n: partial(c, params, x, y) for n, c in compiled.items()}, rounds
     )
     return _rows(times, [FLOOR, "`jax.value_and_grad`, whole batch"])
+
+
+def _unroll_rows(cfg: dict, rounds: int) -> dict:
+    """``unroll`` at a larger k: time against the loop, compiled temp memory."""
+    k = cfg["k_unroll"]
+    graphdef, params = nnx.split(CNN(rngs=nnx.Rngs(0)))
+
+    def loss(p, x, y):
+        return _model_loss(nnx.merge(graphdef, p), x, y)
+
+    x, y = _data(cfg["batch"] * k // cfg["k"])
+    vg = jax.value_and_grad(loss)
+    compiled = {
+        f"`unroll={u}`": jax.jit(
+            optax_accum.microbatch(vg, k, batch_argnums=(1, 2), unroll=u)
+        )
+        .lower(params, x, y)
+        .compile()
+        for u in (1, 4, True)
+    }
+    times = harness.interleaved(
+        {n: partial(c, params, x, y) for n, c in compiled.items()}, rounds
+    )
+    out = _rows(times, ["`unroll=1`"])
+    for row in out["rows"]:
+        row["temp_bytes"] = harness.compiled_memory(compiled[row["variant"]])["temp"]
+    out["k"], out["rows_per_micro_batch"] = k, x.shape[0] // k
+    return out
 
 
 def _step_rows(cfg: dict, rounds: int) -> dict:
@@ -187,6 +227,7 @@ def measure(quick: bool = False, rounds: int | None = None, config=None) -> dict
         "config": cfg,
         "gradients": _gradient_rows(cfg, cfg["rounds"]),
         "steps": _step_rows(cfg, cfg["rounds"]),
+        "unroll": _unroll_rows(cfg, cfg["rounds"]),
     }
 
 
@@ -194,17 +235,21 @@ def _ratio(r: dict) -> str:
     return f"{r['median']:.2f}x ({r['q25']:.2f}-{r['q75']:.2f})"
 
 
-def _table(part: dict) -> list[str]:
+def _table(part: dict, memory: bool = False) -> list[str]:
     header = ["variant", "median ms", *(f"vs {a}" for a in part["anchors"])]
     rows = [
         [
             r["variant"],
             f"{r['median_ms']:.1f}",
             *(_ratio(r[f"vs {a}"]) for a in part["anchors"]),
+            *([harness.mib(r["temp_bytes"])] if memory else []),
         ]
         for r in part["rows"]
     ]
-    return harness.table(header, rows, "lr" + "r" * len(part["anchors"]))
+    if memory:
+        header.append("compiled temp MiB")
+    align = "lr" + "r" * len(part["anchors"]) + ("r" if memory else "")
+    return harness.table(header, rows, align)
 
 
 def markdown(data: dict) -> str:
@@ -234,6 +279,15 @@ def markdown(data: dict) -> str:
         "## One optimizer step (Adam) of the `nnx.Module`",
         "",
         *_table(data["steps"]),
+        "",
+        f"## `unroll` at k = {data['unroll']['k']}",
+        "",
+        f"`microbatch` at k = {data['unroll']['k']} "
+        f"({data['unroll']['rows_per_micro_batch']} rows a micro-batch): the "
+        "time against the loop (`unroll=1`, the default) and the compiled "
+        "temporary memory, which an unrolled loop lets grow with k.",
+        "",
+        *_table(data["unroll"], memory=True),
     ]
     return "\n".join(lines)
 

@@ -74,6 +74,27 @@ def microbatch(
     takes the loss and differentiates it itself, applies the weights inside
     the backward pass and keeps that reduction out of the loop.
 
+    **Padding costs no compute.** Off a mesh, a micro-batch of weight 0 (all
+    padding) is skipped under `lax.cond`, as ``optax.microbatching`` skips
+    past its real micro-batches: with 4 of 8 micro-batches padding a step
+    takes about half the time (``benchmarks/results/padding.md``). Results
+    are unchanged, and so are its ``aux`` row and the threaded state:
+    `microbatch_value_and_grad` (and the Flax steps) run its forward pass
+    alone for them, and a value-and-grad ``fun`` with ``has_aux``, a state or
+    `ScaledGrads` is computed in full, since only a whole call gives those.
+    On a mesh (under ``jax.set_mesh`` or with an Explicit batch) every
+    micro-batch is computed, so that the compiler can move the gradients'
+    reduction over devices out of the loop.
+
+    **Unrolling.** ``unroll`` is ``lax.scan``'s: micro-batches per trip of
+    the loop (``True``: all k, straight-line code). It changes no result.
+    The loop (1) keeps memory and compile time flat in k; unrolling lets the
+    compiler overlap micro-batches, at up to k times the temporary memory
+    (``benchmarks/results/conv.md``). ``k = 1`` always runs without a loop.
+    On the CPU, convolutions in the loop are laid out for XLA's fast
+    kernels, as XLA does only outside loops, so a conv net's loop costs what
+    the same micro-batches unrolled cost.
+
     **fp16 loss scaling.** ``fun`` may return `ScaledGrads` (from
     `scaled_value_and_grad`): the result is then a `ScaledGrads` of the whole
     step, as the large batch would give it: the mean value and gradients,
