@@ -34,6 +34,7 @@ from jax import lax
 from jax.extend import core
 from jax.extend.core import primitives
 
+source_info_util: Any
 try:  # private, as for `jax.core.eval_jaxpr`; names only, so optional
     from jax._src import source_info_util
 except ImportError:  # pragma: no cover
@@ -80,7 +81,7 @@ def _has_convolution(jaxpr: core.Jaxpr) -> bool:
 
 
 def _inner(eqn: core.JaxprEqn) -> core.ClosedJaxpr:
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    sub: Any = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     return sub if isinstance(sub, core.ClosedJaxpr) else core.ClosedJaxpr(sub, ())
 
 

@@ -169,7 +169,8 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
         margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
         if not skips:
             return compute(carry, margs, i)
-        return lax.cond(how.weights[i] > 0, compute, skip_relaid, carry, margs, i)
+        real = jnp.asarray(how.weights)[i] > 0
+        return lax.cond(real, compute, skip_relaid, carry, margs, i)
 
     init = _init(shapes, state, opts)
     carry, aux = _loop(body, init, opts.k, trips(opts))
