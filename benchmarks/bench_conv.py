@@ -261,7 +261,7 @@ def markdown(data: dict) -> str:
         f"Batch {cfg['batch']} of 28x28x1, k = {cfg['k']}, on {env['device']} "
         f"({env['backend']}), XLA's default flags; {cfg['rounds']} interleaved "
         "rounds, median time ratios with the 25th-75th percentiles. Made by "
-        "`python benchmarks/bench_conv.py --out benchmarks/results/conv.md`.",
+        f"`{harness.report.command_line()}`.",
         "",
         "## Gradients of one batch",
         "",

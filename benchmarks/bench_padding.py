@@ -99,8 +99,7 @@ def markdown(data: dict) -> str:
         f"{cfg['rounds']} interleaved rounds, time ratios against no padding "
         "(median, 25th-75th percentiles). A micro-batch of weight 0 is skipped "
         "under `lax.cond`; the ideal ratio is the share of real micro-batches. "
-        "Made by `python benchmarks/bench_padding.py --out "
-        "benchmarks/results/padding.md`.",
+        f"Made by `{harness.report.command_line()}`.",
         "",
     ]
     for face, rows in data["faces"].items():
