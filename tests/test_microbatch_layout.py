@@ -12,6 +12,7 @@ program, bit for bit.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +183,37 @@ def test_unroll_reaches_the_flax_step():
     assert "stablehlo.while" not in nnx.jit(step).lower(model, optimizer, x).as_text()
     with pytest.raises(ValueError, match="`unroll`"):
         nnx_train_step(loss, 2, unroll=0)
+
+
+def test_relayout_runs_any_fun_remat_custom_vjp_scan_jit_and_callbacks():
+    # The relaid body re-binds every other primitive as it came, calls
+    # inlined: `fun`'s own transformations keep their meaning.
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    @jax.custom_vjp
+    def sine(x):
+        return jnp.sin(x)
+
+    sine.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+    def loss(p, x):
+        conv = partial(lax.conv_general_dilated, window_strides=(1, 1))
+        h = jax.checkpoint(
+            lambda x: jax.nn.relu(conv(x, p["w"], padding="SAME", dimension_numbers=dn))
+        )(x)
+        h, _ = lax.scan(lambda c, _: (jnp.tanh(c), None), sine(h), None, length=2)
+        h = jax.jit(lambda h: conv(h, p["w2"], padding="SAME", dimension_numbers=dn))(h)
+        jax.debug.callback(lambda v: None, h.sum())
+        return jnp.mean(h**2)
+
+    p = {"w": jnp.full((3, 3, 1, 4), 0.1), "w2": jnp.full((3, 3, 4, 2), 0.1)}
+    x = jax.random.normal(jax.random.key(0), (8, 6, 6, 1))
+    want = jax.value_and_grad(loss)(p, x)
+    faces = [
+        optax_accum.microbatch(jax.value_and_grad(loss), K),
+        optax_accum.microbatch_value_and_grad(loss, K, weight_fn=lambda x: x.shape[0]),
+    ]
+    for fun in faces:
+        got = jax.jit(fun)(p, x)
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
