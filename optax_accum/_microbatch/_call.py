@@ -5,7 +5,8 @@
 The batch size, the copy-free micro-batch views, one micro-batch's arguments
 (its rows, its PRNG keys), one call of a value-and-grad ``fun`` taken apart,
 the loss face's own differentiation (the one place a weight may enter the
-backward pass), and all k weights in one pass. The loop
+backward pass) and its forward pass alone (what a skipped weight-0
+micro-batch still computes), and all k weights in one pass. The loop
 that drives them is `_loop`'s.
 """
 
@@ -186,6 +187,16 @@ def differentiate(loss, args: list, kwargs, state, opts: Options, seed=None) -> 
     grads = vjp(ct)
     grads = grads[0] if isinstance(opts.argnums, int) else tuple(grads)
     return Call(value, grads, aux, new_state, None)
+
+
+def forward(loss, args: list, kwargs, state, opts: Options) -> tuple:
+    """The loss face's forward pass alone: ``(aux, new_state)``, what a
+    skipped (weight-0) micro-batch still gives; no backward pass runs."""
+    if opts.stateful:
+        out, new_state = loss(*args, state=state, **kwargs)
+    else:
+        out, new_state = loss(*args, **kwargs), state
+    return _value_and_aux(out, opts.has_aux)[1], new_state
 
 
 def run(fun, args: list, kwargs, state, opts: Options, seed=None) -> Call:

@@ -130,6 +130,15 @@ class Keywords:
             "nothing to its one reduction."
         ),
     )
+    unroll: int | bool = dataclasses.field(
+        default=1,
+        metadata=_doc(
+            "micro-batches per trip of the loop, as ``lax.scan``'s ``unroll``: an "
+            "int >= 1, or ``True`` for all k (straight-line code, no loop; memory "
+            "then grows with k). A pure speed choice: the results are the same. "
+            "The default, 1, keeps memory and compile time flat in k."
+        ),
+    )
     aux_rows: Any = dataclasses.field(
         default=None,
         metadata=_doc(

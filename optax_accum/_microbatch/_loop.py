@@ -6,9 +6,12 @@ The data path: all k weights first, in one vectorised pass (`_call.weights`),
 then the `plan` of the loop (each micro-batch's multiplier), the loop
 (`scan`: one micro-batch into the carry per step, `_add`) and the one
 reduction after it (`_finish`).
-Every k runs this one path: XLA removes a loop of one trip, so k = 1 costs no
-loop and has no semantics of its own. One micro-batch's arguments and one call
-of ``fun`` are `_call`'s.
+Every k runs this one path; k = 1 (and any k with ``unroll`` >= k) runs it as
+straight-line code, so it costs what the plain step costs and has no
+semantics of its own. Each micro-batch's work is relaid for the CPU compiler
+(`_layout`), and a micro-batch of weight 0 is skipped under `lax.cond`
+(`_skips`: its forward pass alone runs where aux or state need it). One
+micro-batch's arguments and one call of ``fun`` are `_call`'s.
 
 What an accelerator's compiler needs from the loop body: each gradient reaches
 the carry through a plain add (or a select against zero), so that XLA's
@@ -32,7 +35,8 @@ from jax import lax
 from .. import _devices, _dtypes, _sharding, _weights
 from .. import _noise_scale as ns
 from .._loss_scale import ScaledGrads
-from ._call import Call, microbatch_args, pinned, run, views, weights
+from ._call import Call, forward, microbatch_args, pinned, run, views, weights
+from ._layout import canonical_convolutions
 from ._options import Context, Options
 
 
@@ -139,18 +143,92 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     if opts.weight_fn is not None:
         ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
     how = plan(ws, shapes, opts, ctx)
+    skips = _skips(how, shapes, opts, ctx, args)
 
-    def body(carry: Carry, i: jax.Array):
-        margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
+    def step(carry: Carry, margs: list, i: jax.Array, selected: bool):
         seed = how.multipliers[i] if how.in_backward else None
         out = run(fun, margs, kwargs, carry.state, opts, seed)
         out = out._replace(grads=_dtypes.without_float0(out.grads))
-        return _add(carry, out, i, how, opts, ctx, _rows(margs, opts)), out.aux
+        rows = _rows(margs, opts)
+        return _add(carry, out, i, how, opts, ctx, rows, selected), out.aux
+
+    def skip(carry: Carry, margs: list, i: jax.Array):
+        # A weight-0 micro-batch adds nothing; it still gives its aux and
+        # advances the state, from the forward pass alone (the loss face).
+        aux, new_state = None, carry.state
+        if opts.has_aux or opts.stateful:
+            aux, new_state = forward(fun, margs, kwargs, carry.state, opts)
+        return carry._replace(state=new_state), aux
+
+    # Each micro-batch's work is relaid for the CPU (`_layout`): in a loop
+    # body or a branch, XLA leaves its convolutions in slow layouts.
+    compute = canonical_convolutions(lambda c, m, i: step(c, m, i, skips))
+    skip_relaid = canonical_convolutions(skip)
+
+    def body(carry: Carry, i: jax.Array):
+        margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
+        if not skips:
+            return compute(carry, margs, i)
+        real = jnp.asarray(how.weights)[i] > 0
+        return lax.cond(real, compute, skip_relaid, carry, margs, i)
 
     init = _init(shapes, state, opts)
-    carry, aux = lax.scan(body, init, jnp.arange(opts.k, dtype=jnp.int32))
+    carry, aux = _loop(body, init, opts.k, trips(opts))
     out = _finish(carry, aux, how, shapes, opts, ctx)
     return out._replace(grads=_dtypes.with_float0(out.grads, full.grads))
+
+
+def trips(opts: Options) -> int:
+    """Micro-batches per trip of the loop (``unroll``); k: straight-line code,
+    as for k = 1 always (one micro-batch is the plain step, with no loop)."""
+    if isinstance(opts.unroll, bool):
+        return opts.k if opts.unroll else 1
+    return min(opts.unroll, opts.k)
+
+
+def _loop(body, init: Carry, k: int, unroll: int):
+    """``lax.scan(body, init, arange(k), unroll=unroll)``; with ``unroll`` k,
+    straight-line code (``lax.scan`` keeps a loop of one trip for k = 1)."""
+    if unroll < k:
+        return lax.scan(body, init, jnp.arange(k, dtype=jnp.int32), unroll=unroll)
+    carry, auxs = init, []
+    for i in range(k):
+        carry, aux = body(carry, jnp.int32(i))
+        auxs.append(aux)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
+
+
+def _skips(how: Plan, shapes: Call, opts: Options, ctx: Context, args: list) -> bool:
+    """Whether a weight-0 micro-batch is skipped under `lax.cond` (no work).
+
+    Where its outputs are unused: on the loss face, whose forward pass alone
+    still gives the aux and the state, and for a value-and-grad ``fun``
+    without aux, state or loss scale (whose aux and state only a whole call
+    gives, and whose overflow a step observes). And off any mesh: on a mesh
+    the compiler reduces each micro-batch's gradients over the devices inside
+    the loop, and a conditional between that reduction and the carry would
+    keep XLA from moving it out of the loop (see "Why the body is a plain
+    add" in the design guide); per device (``shard_map``) a branch could also
+    differ between devices that run ``fun``'s collectives together.
+    """
+    if how.weights is None or ctx.axes is not None or _on_mesh(args, opts):
+        return False
+    if opts.differentiates:
+        return True
+    return not (opts.has_aux or opts.stateful or shapes.scaled is not None)
+
+
+def _on_mesh(args: list, opts: Options) -> bool:
+    """Whether the step runs under a mesh (``jax.set_mesh``) or its batch
+    is typed with one (an Explicit mesh)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return True
+    leaves = jax.tree.leaves([args[i] for i in opts.batch_idx])
+    return any(
+        not jax.typeof(x).sharding.mesh.empty
+        for x in leaves
+        if isinstance(x, jax.Array)
+    )
 
 
 def _rows(margs: list, opts: Options) -> int:
@@ -178,10 +256,20 @@ def _init(shapes: Call, state: Any, opts: Options) -> Carry:
     return Carry(value, grads, noise, loss_scale, state)
 
 
-def _add(carry: Carry, out: Call, i, how: Plan, opts: Options, ctx: Context, rows):
-    """One micro-batch into the carry: a plain add (or a select with zero)."""
+def _add(
+    carry: Carry,
+    out: Call,
+    i,
+    how: Plan,
+    opts: Options,
+    ctx: Context,
+    rows,
+    selected: bool = False,
+):
+    """One micro-batch into the carry: a plain add (or a select with zero;
+    ``selected``: the micro-batch is known to weigh more than 0)."""
     weighted = how.weights is not None
-    keep = how.weights[i] > 0 if weighted else None
+    keep = how.weights[i] > 0 if weighted and not selected else None
     m = None if how.multipliers is None else how.multipliers[i]
     if how.running:
         w = how.weights[i] if weighted else jnp.float32(1)

@@ -60,7 +60,8 @@ def microbatch(
     tokens as weight and a token-mean loss, the mean is the full-batch token
     mean exactly. ``aux`` comes back stacked along a new leading axis of length
     ``k``. Every ``k`` has these semantics, ``k = 1`` included (weights,
-    reduction and all; XLA removes the loop of one trip, so it costs nothing).
+    reduction and all; one micro-batch runs as straight-line code, so it costs
+    what ``fun`` costs).
 
     **Weights** follow `accumulate`'s contract: a weight of 0 contributes
     nothing (even a NaN token mean), a NaN, infinite or negative weight
@@ -75,6 +76,27 @@ def microbatch(
     inside the loop, once per micro-batch; `microbatch_value_and_grad`, which
     takes the loss and differentiates it itself, applies the weights inside
     the backward pass and keeps that reduction out of the loop.
+
+    **Padding costs no compute.** Off a mesh, a micro-batch of weight 0 (all
+    padding) is skipped under `lax.cond`, as ``optax.microbatching`` skips
+    past its real micro-batches: with 4 of 8 micro-batches padding a step
+    takes about half the time (``benchmarks/results/padding.md``). Results
+    are unchanged, and so are its ``aux`` row and the threaded state:
+    `microbatch_value_and_grad` (and the Flax steps) run its forward pass
+    alone for them, and a value-and-grad ``fun`` with ``has_aux``, a state or
+    `ScaledGrads` is computed in full, since only a whole call gives those.
+    On a mesh (under ``jax.set_mesh`` or with an Explicit batch) every
+    micro-batch is computed, so that the compiler can move the gradients'
+    reduction over devices out of the loop.
+
+    **Unrolling.** ``unroll`` is ``lax.scan``'s: micro-batches per trip of
+    the loop (``True``: all k, straight-line code). It changes no result.
+    The loop (1) keeps memory and compile time flat in k; unrolling lets the
+    compiler overlap micro-batches, at up to k times the temporary memory
+    (``benchmarks/results/conv.md``). ``k = 1`` always runs without a loop.
+    On the CPU, convolutions in the loop are laid out for XLA's fast
+    kernels, as XLA does only outside loops, so a conv net's loop costs what
+    the same micro-batches unrolled cost.
 
     **fp16 loss scaling.** ``fun`` may return `ScaledGrads` (from
     `scaled_value_and_grad`): the result is then a `ScaledGrads` of the whole

@@ -49,6 +49,8 @@ class Options:
     argnums: int | tuple[int, ...] | None = None
     # Which ``aux`` leaves hold the micro-batch's rows (device-local mode).
     aux_rows: Any = None
+    # Micro-batches per trip of the loop: an int >= 1 or a bool (`_loop.trips`).
+    unroll: int | bool = 1
     # Whether the library differentiates ``fun`` (the loss face): fixed here,
     # so the loop reads a field rather than coming back for a rule.
     differentiates: bool = dataclasses.field(init=False)
@@ -119,6 +121,7 @@ def options(
         stateful=stateful,
         argnums=_loss_argnums(argnums, batch_idx, rng_idx),
         aux_rows=kw.aux_rows,
+        unroll=_unroll(kw.unroll),
     )
 
 
@@ -156,6 +159,13 @@ def _check_aux_rows(aux_rows: Any, has_aux: bool, data_axes: Any) -> None:
                 "`aux_rows` must be a bool or a pytree prefix of `aux` with bool "
                 f"leaves, got a leaf {flag!r}."
             )
+
+
+def _unroll(value: Any) -> int | bool:
+    """``unroll`` as `lax.scan` takes it: an int >= 1 or a bool."""
+    if isinstance(value, bool):
+        return value
+    return _checks.positive_int(value, "unroll")
 
 
 def _param_gather(value: Any) -> str | None:
