@@ -166,6 +166,7 @@ class StepKeywords(TypedDict, total=False):
     param_gather: str | None
     noise_scale_decay: float | None
     aux_rows: Any
+    unroll: int | bool
 
 
 class MicrobatchKeywords(StepKeywords, total=False):
