@@ -169,12 +169,10 @@ def _add(acc: Any, d: Any) -> Any:
     return jax.tree.map(add, acc, d)
 
 
-def _put(buf: Any, slot: jax.Array, value: Any) -> Any:
-    return jax.tree.map(
-        lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0),
-        buf,
-        value,
-    )
+def _add_at(stack: jax.Array, r: jax.Array, d: jax.Array) -> jax.Array:
+    """``stack[r] += d`` in place (a dynamic update of the carry)."""
+    old = lax.dynamic_index_in_dim(stack, r, 0, False)
+    return lax.dynamic_update_index_in_dim(stack, _add(old, d), r, 0)
 
 
 def _get(buf: Any, slot: jax.Array) -> Any:
@@ -218,6 +216,10 @@ class _Slot:
 
         return head
 
+    def nil(self, tree: Any) -> Any:
+        """Zeros like ``tree``: a gradient this op does not add to."""
+        return zeros(jax.tree.map(jax.typeof, tree), self.ctx.axes)
+
     def kept(self, vjp) -> tuple:
         leaves = jax.tree.leaves(vjp)
         if len(leaves) != len(self.res.source):  # pragma: no cover - a probe bug
@@ -235,37 +237,40 @@ class _Slot:
         """The op's code for this role: straight-line, one linearization."""
         ctx, split = self.ctx, self.split
 
-        def run(params, x_in, g_in, rbuf, grads, m, rslot):
+        def run(params, x_in, g_in, res_in, m):
             fp, sps, lp = params
             sp = sps[r]
             if frozen:  # weight 0 with has_aux: values only, no gradient
                 fp, sp, lp, x_in = lax.stop_gradient((fp, sp, lp, x_in))
-            gf, gs, gl = grads
+            gf, gs, gl = (self.nil(t) for t in (fp, sp, lp))
             mb = microbatch(ctx.views, m)
             embed, stage, head = self.embed(mb), self.stage(m, r), self.head(mb, m)
             nothing = fill(ctx.h, ctx.axes)
-            no_aux = zeros(ctx.aux, ctx.axes)
-            out_y, out_gx, loss, aux = nothing, nothing, no_loss(ctx), no_aux
+            out_y, out_gx = nothing, nothing
+            loss, aux = no_loss(ctx), zeros(ctx.aux, ctx.axes)
+            res, wrote = res_in, jnp.bool_(False)
+
+            def done():
+                return out_y, out_gx, res, wrote, (gf, gs, gl), loss, aux
+
             if op == FORWARD:
                 x = embed(fp) if first else x_in
                 if split and not frozen:
                     out_y, vjp = jax.vjp(stage, sp, x)
-                    rbuf = (_put(rbuf[0], rslot, self.kept(vjp)), rbuf[1])
+                    res, wrote = (self.kept(vjp), res_in[1]), jnp.bool_(True)
                 else:
                     out_y = stage(sp, x)
-                return out_y, out_gx, rbuf, grads, loss, aux
+                return done()
             if frozen:  # the last stage's aux, at its backward
                 x = embed(fp) if first else x_in
                 _, aux = head(lp, stage(sp, x))
-                return out_y, out_gx, rbuf, grads, loss, aux
+                return done()
             e_vjp = None
             if op == WEIGHT:
-                kept, ct = _get(rbuf[0], rslot), _get(rbuf[1], rslot)
-                gsp, _ = self.rebuild(kept, sp)(ct)
-                gs = (*gs[:r], _add(gs[r], gsp), *gs[r + 1 :])
-                return out_y, out_gx, rbuf, (gf, gs, gl), loss, aux
+                gs, _ = self.rebuild(res_in[0], sp)(res_in[1])
+                return done()
             if op == INPUT and not last:
-                s_vjp = self.rebuild(_get(rbuf[0], rslot), sp)
+                s_vjp = self.rebuild(res_in[0], sp)
                 ct_y = g_in
                 if first:
                     _, e_vjp = jax.vjp(embed, fp)
@@ -277,22 +282,20 @@ class _Slot:
                 y, s_vjp = jax.vjp(stage, sp, x)
                 if last:
                     loss, h_vjp, aux = jax.vjp(head, lp, y, has_aux=True)
-                    glp, ct_y = h_vjp(jnp.ones_like(loss))
-                    gl = _add(gl, glp)
+                    gl, ct_y = h_vjp(jnp.ones_like(loss))
                 else:
                     ct_y = g_in
             gsp, gx = s_vjp(ct_y)
             if op == BACKWARD:
-                gs = (*gs[:r], _add(gs[r], gsp), *gs[r + 1 :])
+                gs = gsp
             else:  # B: W takes the weights' share from the residuals
-                kept = self.kept(s_vjp) if last else _get(rbuf[0], rslot)
-                rbuf = (_put(rbuf[0], rslot, kept), _put(rbuf[1], rslot, ct_y))
+                kept = self.kept(s_vjp) if last else res_in[0]
+                res, wrote = (kept, self.vary(ct_y)), jnp.bool_(True)
             if first:
-                (gfp,) = e_vjp(gx)
-                gf = _add(gf, gfp)
+                (gf,) = e_vjp(gx)
             else:
                 out_gx = self.vary(gx)
-            return out_y, out_gx, rbuf, (gf, gs, gl), loss, aux
+            return done()
 
         return run
 
@@ -344,22 +347,25 @@ def _switch(leaves: list):
     return lambda variant, *args: lax.switch(variant, leaves, *args)
 
 
-def _idle(variant, params, x_in, g_in, rbuf, grads, m, rslot, *, ctx):
+def _idle(variant, params, x_in, g_in, res_in, m, *, ctx):
     nothing = fill(ctx.h, ctx.axes)
-    return nothing, nothing, rbuf, grads, no_loss(ctx), zeros(ctx.aux, ctx.axes)
+    fp, sps, lp = params
+    deltas = zeros(jax.tree.map(jax.typeof, (fp, sps[0], lp)), ctx.axes)
+    aux = zeros(ctx.aux, ctx.axes)
+    return nothing, nothing, res_in, jnp.bool_(False), deltas, no_loss(ctx), aux
 
 
 def accumulators(ctx: Local, params: tuple) -> tuple:
-    """Zero gradient sums of ``(first, per-repeat stages, last)`` in the
-    accumulator dtypes ``ctx.dtypes`` (of ``(first, stage stack, last)``)."""
+    """Zero gradient sums of ``(first, stage stack, last)`` in the
+    accumulator dtypes ``ctx.dtypes``."""
     fd, sd, ld = ctx.dtypes
-    fp, sps, lp = params
+    fp, sp, lp = params
 
     def zero(tree, dtypes):
         like = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), tree, dtypes)
         return zeros(like, ctx.axes)
 
-    return zero(fp, fd), tuple(zero(s, sd) for s in sps), zero(lp, ld)
+    return zero(fp, fd), zero(sp, sd), zero(lp, ld)
 
 
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
@@ -393,7 +399,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
     kept = residuals.kept if split else ()
     rbuf = (tuple(buffer(layout.nr, k) for k in kept), buffer(layout.nr, ctx.h))
     if not split:
-        rbuf = ((), buffer(1, jax.ShapeDtypeStruct((), ctx.h.dtype)))
+        rbuf = ((), buffer(1, ctx.h))
 
     def tick(carry, _):
         t, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total = carry
@@ -401,6 +407,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
         x_in = lax.dynamic_index_in_dim(xbuf, x_slot, 0, False)
         g_in = lax.dynamic_index_in_dim(gbuf, g_slot, 0, False)
+        res_in = _get(rbuf, r_slot)
         m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
         keep = ctx.keep[m]
         frozen = ~keep if ctx.pipe.has_aux else jnp.bool_(False)
@@ -410,10 +417,18 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
                            frozen.astype(jnp.int32)]  # fmt: skip
         live = (variant >= 0) & (keep | frozen)
         which = jnp.where(live, op, IDLE)
-        args = (params, x_in, g_in, rbuf, grads, m, r_slot)
-        y, gx, rbuf, grads, loss, aux = lax.switch(
+        args = (params, x_in, g_in, res_in, m)
+        # Buffers and sums stay outside the switch: a branch returns what it
+        # made, so no branch passes (and copies) a buffer it does not touch.
+        y, gx, res, wrote, (df, ds, dl), loss, aux = lax.switch(
             which, branches, jnp.maximum(variant, 0), *args
         )
+        rbuf = jax.tree.map(
+            lambda b, v: _store(b, jnp.where(wrote, r_slot, -1), v), rbuf, res
+        )
+        gf, gs, gl = grads
+        gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
+        grads = (_add(gf, df), gs, _add(gl, dl))
         f_msg = lax.ppermute(y, axis, ring(stages, 1))
         b_msg = lax.ppermute(gx, axis, ring(stages, -1))
         return (t + 1, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total + loss), aux
@@ -426,10 +441,8 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         rbuf,
         h,
         h,
-        accumulators(ctx, params),
+        accumulators(ctx, (fp, sp, lp)),
         no_loss(ctx),
     )
     (*_, grads, total), auxs = lax.scan(tick, init, length=table.num_ticks)
-    gf, gs, gl = grads
-    gs = jax.tree.map(lambda *g: jnp.stack(g), *gs)
-    return total, (gf, gs, gl), auxs
+    return total, grads, auxs
