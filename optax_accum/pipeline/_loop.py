@@ -32,6 +32,7 @@ model always evaluated at the parameters themselves.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -320,7 +321,7 @@ def _dispatch(ctx: Local, split: bool, slot: _Slot):
     for op in ops:
         keys: list[tuple] = []
         for r, first, last in sorted(_roles(ctx.num_stages, repeats)):
-            for frozen in (False, True):
+            for frozen in (False, True) if ctx.pipe.has_aux else (False,):
                 if op == FORWARD:
                     # The last stage's forward is its backward's (whole: it
                     # recomputes; split: it linearizes at B).
@@ -401,7 +402,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
     if not split:
         rbuf = ((), buffer(1, ctx.h))
 
-    def tick(carry, _):
+    def tick(carry, _, send_f=True, send_b=True, grad=True):
         t, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total = carry
         op, m, r, x_store, g_store, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
         xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
@@ -426,11 +427,18 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         rbuf = jax.tree.map(
             lambda b, v: _store(b, jnp.where(wrote, r_slot, -1), v), rbuf, res
         )
-        gf, gs, gl = grads
-        gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
-        grads = (_add(gf, df), gs, _add(gl, dl))
-        f_msg = lax.ppermute(y, axis, ring(stages, 1))
-        b_msg = lax.ppermute(gx, axis, ring(stages, -1))
+        if grad:  # a loop of forwards alone adds nothing
+            gf, gs, gl = grads
+            gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
+            grads = (_add(gf, df), gs, _add(gl, dl))
+        f_msg = (
+            lax.ppermute(y, axis, ring(stages, 1)) if send_f else fill(ctx.h, ctx.axes)
+        )
+        b_msg = (
+            lax.ppermute(gx, axis, ring(stages, -1))
+            if send_b
+            else fill(ctx.h, ctx.axes)
+        )
         return (t + 1, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total + loss), aux
 
     h = fill(ctx.h, ctx.axes)
@@ -444,5 +452,29 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         accumulators(ctx, (fp, sp, lp)),
         no_loss(ctx),
     )
-    (*_, grads, total), auxs = lax.scan(tick, init, length=table.num_ticks)
+    carry, auxs = init, []
+    for start, stop, send_f, send_b in phases(table, split):
+        grad = bool(np.isin(table.op[start:stop], (BACKWARD, INPUT, WEIGHT)).any())
+        body = functools.partial(tick, send_f=send_f, send_b=send_b, grad=grad)
+        carry, out = lax.scan(body, carry, length=stop - start)
+        auxs.append(out)
+    *_, grads, total = carry
+    auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
     return total, grads, auxs
+
+
+def phases(table: sched.ScheduleTable, split: bool) -> list[tuple]:
+    """``(start, stop, forward sends, backward sends)`` per loop: a table
+    whose backward ops all follow its forward ops (GPipe, circular) runs as
+    two loops, each with only its direction's ``ppermute``; any other, one."""
+    stages = table.op.shape[1]
+    j = table.repeat * stages + np.arange(stages)
+    last = stages * (int(table.repeat.max()) + 1) - 1
+    back = INPUT if split else BACKWARD
+    f = ((table.op == FORWARD) & (j < last)).any(axis=1)
+    b = ((table.op == back) & (j > 0)).any(axis=1)
+    ticks = table.num_ticks
+    p = int(np.nonzero(b)[0][0]) if b.any() else ticks
+    if 0 < p < ticks and not f[p:].any():
+        return [(0, p, True, False), (p, ticks, False, True)]
+    return [(0, ticks, True, True)]
