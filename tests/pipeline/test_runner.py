@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from optax_accum import pipeline as pl
 from tests.helpers import hlo
 from tests.helpers.lanes import sweep
 from tests.pipeline import models as md
@@ -134,14 +137,31 @@ def _carry_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
+def two_weight_stage(sp, h):
+    return h + jnp.tanh(h @ sp["w1"]) @ sp["w2"]
+
+
 def test_zb_pending_slots_hold_no_parameter():
     """W puts the stage's weights back itself: no pending slot keeps a copy
-    (on main each of the S slots held a [width, width] copy)."""
-    low, _ = th.lowered("zb_h1", 8, rows=ROWS, width=WIDTH)
-    shapes = _carry_shapes(low.compile().as_text())
+    (on main, with a stage of two weights, each of the S slots held a
+    [width, width] copy of the second, which sat behind a cond)."""
+    params, batch = md.make(4, rows=32, width=WIDTH)
+    fp, _, lp = params
+    k = jax.random.split(jax.random.key(1), 2)
+    sp = {
+        w: jax.random.normal(key, (4, WIDTH, WIDTH)) / 4
+        for w, key in zip(("w1", "w2"), k, strict=True)
+    }
+    mesh = te.stage_mesh(4)
+    with jax.set_mesh(mesh):
+        sp = jax.device_put(sp, NamedSharding(mesh, P("stage")))
+        vg = pl.value_and_grad(md.first_fn, two_weight_stage, md.loss_fn, 8,
+                               schedule="zb_h1")  # fmt: skip
+        text = jax.jit(vg).lower((fp, sp, lp), batch).compile().as_text()
+    shapes = _carry_shapes(text)
     stacks = [s for s in shapes if len(s) == 3 and s[1:] == (WIDTH, WIDTH)]
-    # The (R = 1, width, width) gradient sum is the only weight-shaped stack.
-    assert all(s[0] == 1 for s in stacks), shapes
+    # The (R = 1, width, width) gradient sums are the only weight-shaped stacks.
+    assert stacks and all(s[0] == 1 for s in stacks), shapes
 
 
 @pytest.mark.parametrize(
