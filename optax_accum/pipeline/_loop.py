@@ -357,8 +357,8 @@ def _idle(variant, params, x_in, g_in, res_in, m, *, ctx):
 
 
 def accumulators(ctx: Local, params: tuple) -> tuple:
-    """Zero gradient sums of ``(first, stage stack, last)`` in the
-    accumulator dtypes ``ctx.dtypes``."""
+    """Zero gradient sums of ``(first, stages, last)`` in the accumulator
+    dtypes ``ctx.dtypes`` (the stages: one, or the ``(R, ...)`` stack)."""
     fd, sd, ld = ctx.dtypes
     fp, sp, lp = params
 
@@ -429,7 +429,10 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         )
         if grad:  # a loop of forwards alone adds nothing
             gf, gs, gl = grads
-            gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
+            if repeats == 1:
+                gs = _add(gs, ds)
+            else:
+                gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
             grads = (_add(gf, df), gs, _add(gl, dl))
         f_msg = (
             lax.ppermute(y, axis, ring(stages, 1)) if send_f else fill(ctx.h, ctx.axes)
@@ -449,7 +452,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         rbuf,
         h,
         h,
-        accumulators(ctx, (fp, sp, lp)),
+        accumulators(ctx, (fp, sps[0] if repeats == 1 else sp, lp)),
         no_loss(ctx),
     )
     carry, auxs = init, []
@@ -458,7 +461,10 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         body = functools.partial(tick, send_f=send_f, send_b=send_b, grad=grad)
         carry, out = lax.scan(body, carry, length=stop - start)
         auxs.append(out)
-    *_, grads, total = carry
+    *_, (gf, gs, gl), total = carry
+    if repeats == 1:
+        gs = jax.tree.map(lambda g: g[None], gs)
+    grads = (gf, gs, gl)
     auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
     return total, grads, auxs
 

@@ -160,8 +160,8 @@ def test_zb_pending_slots_hold_no_parameter():
         text = jax.jit(vg).lower((fp, sp, lp), batch).compile().as_text()
     shapes = _carry_shapes(text)
     stacks = [s for s in shapes if len(s) == 3 and s[1:] == (WIDTH, WIDTH)]
-    # The (R = 1, width, width) gradient sums are the only weight-shaped stacks.
-    assert stacks and all(s[0] == 1 for s in stacks), shapes
+    # No stack of weights: at most an (R = 1, width, width) gradient sum.
+    assert all(s[0] == 1 for s in stacks), shapes
 
 
 @pytest.mark.parametrize(
