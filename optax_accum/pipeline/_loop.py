@@ -402,9 +402,10 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
     if not split:
         rbuf = ((), buffer(1, ctx.h))
 
-    def tick(carry, _, send_f=True, send_b=True, grad=True):
-        t, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total = carry
-        op, m, r, x_store, g_store, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
+    def slot_op(t, state, x_store, g_store, f_msg, b_msg, grad=True):
+        """Tick ``t``'s op, the messages stored: ``(state, y, gx, aux)``."""
+        xbuf, gbuf, rbuf, grads, total = state
+        op, m, r, _, _, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
         xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
         x_in = lax.dynamic_index_in_dim(xbuf, x_slot, 0, False)
         g_in = lax.dynamic_index_in_dim(gbuf, g_slot, 0, False)
@@ -434,15 +435,35 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
             else:
                 gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
             grads = (_add(gf, df), gs, _add(gl, dl))
-        f_msg = (
-            lax.ppermute(y, axis, ring(stages, 1)) if send_f else fill(ctx.h, ctx.axes)
-        )
-        b_msg = (
-            lax.ppermute(gx, axis, ring(stages, -1))
-            if send_b
-            else fill(ctx.h, ctx.axes)
-        )
-        return (t + 1, xbuf, gbuf, rbuf, f_msg, b_msg, grads, total + loss), aux
+        return (xbuf, gbuf, rbuf, grads, total + loss), y, gx, aux
+
+    def send(y, gx, send_f=True, send_b=True):
+        nothing = fill(ctx.h, ctx.axes)
+        f_msg = lax.ppermute(y, axis, ring(stages, 1)) if send_f else nothing
+        b_msg = lax.ppermute(gx, axis, ring(stages, -1)) if send_b else nothing
+        return f_msg, b_msg
+
+    def tick(carry, _, send_f=True, send_b=True, grad=True):
+        t, *state, f_msg, b_msg = carry
+        _, _, _, x_store, g_store, *_ = cells.at(t, ctx.stage)
+        state, y, gx, aux = slot_op(t, state, x_store, g_store, f_msg, b_msg, grad)
+        f_msg, b_msg = send(y, gx, send_f, send_b)
+        return (t + 1, *state, f_msg, b_msg), aux
+
+    def pair(carry, _):
+        # Forwards on even ticks, backwards on odd ones (interleaved 1F1B):
+        # no message crosses within a pair, so one step runs both, with one
+        # ppermute per direction. The stage output sent at the even tick
+        # waits for the next step, as the cotangent of the odd tick does.
+        t, *state, f_msg, b_msg = carry
+        x_store = cells.at(jnp.maximum(t - 1, 0), ctx.stage)[3]
+        g_store = cells.at(t, ctx.stage)[4]
+        state, y, _, aux_f = slot_op(t, state, x_store, g_store, f_msg, b_msg)
+        none = jnp.int32(-1)
+        state, _, gx, aux_b = slot_op(t + 1, state, none, none, f_msg, b_msg)
+        f_msg, b_msg = send(y, gx)
+        aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_f, aux_b)
+        return (t + 2, *state, f_msg, b_msg), aux
 
     h = fill(ctx.h, ctx.axes)
     init = (
@@ -450,23 +471,44 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         buffer(layout.nx, ctx.h),
         buffer(layout.ng, ctx.h),
         rbuf,
-        h,
-        h,
         accumulators(ctx, (fp, sps[0] if repeats == 1 else sp, lp)),
         no_loss(ctx),
+        h,
+        h,
     )
+    if paired(table):
+        carry, auxs = lax.scan(pair, init, length=table.num_ticks // 2)
+        *_, (gf, gs, gl), total, _, _ = carry
+        auxs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), auxs)
+        return total, _stacked((gf, gs, gl), repeats), auxs
     carry, auxs = init, []
     for start, stop, send_f, send_b in phases(table, split):
         grad = bool(np.isin(table.op[start:stop], (BACKWARD, INPUT, WEIGHT)).any())
         body = functools.partial(tick, send_f=send_f, send_b=send_b, grad=grad)
         carry, out = lax.scan(body, carry, length=stop - start)
         auxs.append(out)
-    *_, (gf, gs, gl), total = carry
+    *_, grads, total, _, _ = carry
+    auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
+    return total, _stacked(grads, repeats), auxs
+
+
+def _stacked(grads: tuple, repeats: int) -> tuple:
+    """The stage sums as an ``(R, ...)`` stack (with one repeat they are one
+    stage's own shape in the loop)."""
+    gf, gs, gl = grads
     if repeats == 1:
         gs = jax.tree.map(lambda g: g[None], gs)
-    grads = (gf, gs, gl)
-    auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
-    return total, grads, auxs
+    return gf, gs, gl
+
+
+def paired(table: sched.ScheduleTable) -> bool:
+    """Forwards only on even ticks and whole backwards only on odd ones."""
+    even, odd = table.op[0::2], table.op[1::2]
+    return (
+        table.num_ticks % 2 == 0
+        and bool(np.isin(even, (IDLE, FORWARD)).all())
+        and bool(np.isin(odd, (IDLE, BACKWARD)).all())
+    )
 
 
 def phases(table: sched.ScheduleTable, split: bool) -> list[tuple]:
