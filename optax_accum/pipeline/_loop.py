@@ -406,7 +406,8 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         """Tick ``t``'s op, the messages stored: ``(state, y, gx, aux)``."""
         xbuf, gbuf, rbuf, grads, total = state
         op, m, r, _, _, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
-        xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
+        if x_store is not None:  # None: nothing arrives (a pair's second op)
+            xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
         x_in = lax.dynamic_index_in_dim(xbuf, x_slot, 0, False)
         g_in = lax.dynamic_index_in_dim(gbuf, g_slot, 0, False)
         res_in = _get(rbuf, r_slot)
@@ -458,9 +459,10 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
         t, *state, f_msg, b_msg = carry
         x_store = cells.at(jnp.maximum(t - 1, 0), ctx.stage)[3]
         g_store = cells.at(t, ctx.stage)[4]
-        state, y, _, aux_f = slot_op(t, state, x_store, g_store, f_msg, b_msg)
-        none = jnp.int32(-1)
-        state, _, gx, aux_b = slot_op(t + 1, state, none, none, f_msg, b_msg)
+        state, y, _, aux_f = slot_op(
+            t, state, x_store, g_store, f_msg, b_msg, grad=False
+        )  # a forward adds no gradient
+        state, _, gx, aux_b = slot_op(t + 1, state, None, None, f_msg, b_msg)
         f_msg, b_msg = send(y, gx)
         aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_f, aux_b)
         return (t + 2, *state, f_msg, b_msg), aux
