@@ -7,9 +7,10 @@ out so that device ``s`` holds stages ``s, s + S, ...``, splits the batch
 into micro-batches (micro-batch ``m`` is rows ``m, m+M, ...``, as in
 `microbatch`), and runs the schedule's runner in one ``shard_map`` over the
 stage axis and the declared data axes (``data_axes``). Every parameter is
-widened to its accumulator dtype and cast to varying over those axes before
-the loop, so that each device's gradient stays its own, summed in that
-dtype, until the one ``psum`` after the loop: taken from an invariant input,
+cast to varying over those axes before the loop, so that each device's
+gradient stays its own, summed in its accumulator dtype (the parameters
+stay as they are: the model is evaluated at them), until the one ``psum``
+after the loop: taken from an invariant input,
 the cotangent would be summed over the stages before the mask that keeps one
 stage's share. The gradients come back in the parameters' dtypes and
 shardings (replicated where a parameter was placed nowhere).
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _dtypes, _sharding
 from . import _1f1b, _aux, _checks, _gpipe, _interleaved, _zb
 from . import _schedule as sched
-from ._step import Local, Pipeline, call_loss, call_stage, scales, shard_index, widen
+from ._step import Local, Pipeline, call_loss, call_stage, scales, shard_index
 
 RUNNERS = {
     "gpipe": _gpipe,
@@ -150,11 +151,8 @@ def _body(pipe, table, shapes, data_axes, params, views, key):
     axes = (pipe.stage_axis, *data_axes)
     fp, sp, lp = params
     sp = jax.tree.map(lambda v: v[0], sp)  # this device's (R, ...) stages
-    dtypes = jax.tree.map(lambda p: p.dtype, (fp, sp, lp))
-    wide = jax.tree.map(
-        lambda x: _sharding.varying(x, axes),
-        widen((fp, sp, lp), pipe.accumulator_dtype),
-    )
+    params = jax.tree.map(lambda x: _sharding.varying(x, axes), (fp, sp, lp))
+    dtypes = _dtypes.resolve(pipe.accumulator_dtype, (fp, sp, lp))
     wdtype = _dtypes.weight_dtype((fp, sp, lp))
     mult, w = scales(pipe, views, data_axes, wdtype)
     loss_dtype = jnp.promote_types(loss.dtype, jnp.float32)
@@ -163,7 +161,7 @@ def _body(pipe, table, shapes, data_axes, params, views, key):
         key, shard_index(data_axes), h, aux, axes, dtypes, loss_dtype,
     )  # fmt: skip
     runner = RUNNERS[pipe.schedule]
-    total, (gf, gs, gl), auxs = runner.run(ctx, wide, table)
+    total, (gf, gs, gl), auxs = runner.run(ctx, params, table)
     gf, gl = lax.psum((gf, gl), axes)
     if data_axes:
         gs = lax.psum(gs, data_axes)
@@ -179,6 +177,7 @@ def call(pipe: Pipeline, params: Any, batch: Any, rng: Any = None):
     """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``)."""
     data_axes = data_axes_of(pipe, batch)
     fp, sp, lp, stages = _checks.check_call(pipe, params, batch, rng, data_axes)
+    _dtypes.resolve(pipe.accumulator_dtype, (fp, sp, lp))  # raises early
     mesh = jax.sharding.get_abstract_mesh()
     table = sched.schedule_table(
         pipe.schedule, stages, pipe.num_microbatches, pipe.repeats

@@ -1,32 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""One pipeline slot, and the policy every runner inherits from it.
+"""The pieces every runner shares: options, the per-device context, keys,
+weights, and the policy a slot follows.
 
-A runner (`_gpipe`, `_1f1b`, any new schedule) is a module with
-``run(ctx, params, table) -> (loss, grads, per-tick aux)``, called inside
-the ``shard_map`` on every device of the stage axis. Its contract:
+A runner (`_gpipe`, `_1f1b`, `_zb`, `_interleaved`: each a table and
+`_loop.run`) is a module with ``run(ctx, params, table) -> (loss, grads,
+per-tick aux)``, called inside the ``shard_map`` on every device of the
+stage axis, and ``LOSS_OP``, the `Op` of the table cell in which its last
+stage computes a micro-batch's loss (`_aux` reads the aux there). Its
+contract:
 
-- ``params`` is ``(first, stage, last)`` already widened to the accumulator
-  dtype (`widen`), the stage leaves this device's ``(R, ...)`` stack; every
-  slot goes through `forward`, which narrows them back to the parameters'
-  dtypes, so the gradients a runner sums (by ``jax.grad`` through its loop,
-  or by adding ``jax.vjp`` cotangents into a carry built by `no_grads`) are
-  summed in the accumulator dtype (`_dtypes.promote` by default);
-- `forward` is the only place a slot computes: it runs ``stage_fn`` and
-  ``loss_fn`` under `lax.cond`, so an idle slot, and every slot of a
-  micro-batch whose weight is 0 (or rejected: NaN, infinite, negative),
-  computes nothing that reaches a value or a gradient, whatever ``stage_fn``
-  does at the `BUBBLE_FILL` it is sent;
-- the loss a runner returns is the sum of `forward`'s losses, already scaled
-  by each micro-batch's share (`scales`: `_weights` and `_reduction`, as
-  the other faces), in ``ctx.loss_dtype`` (`no_loss` starts it);
-- messages and buffers start as `fill`; the tick's aux comes from `forward`,
-  and the module names ``LOSS_OP``, the `Op` of the table cell in which its
-  last stage computes a micro-batch's loss (`_aux` reads the aux there);
-- `_run.RUNNERS` maps the schedule's name to the module.
-
-What the runner owns is only the order of the slots and the messages
-between devices (``ppermute`` once per direction per tick).
+- ``params`` is ``(first, stage, last)`` in the parameters' own dtypes (the
+  model is evaluated at them), the stage leaves this device's ``(R, ...)``
+  stack; gradients are summed in the accumulator dtypes ``ctx.dtypes``
+  (`_dtypes.resolve` of ``accumulator_dtype``, per leaf);
+- an idle slot, and every slot of a micro-batch whose weight is 0 (or
+  rejected: NaN, infinite, negative), computes nothing that reaches a value
+  or a gradient, whatever ``stage_fn`` does at the `BUBBLE_FILL` it is sent;
+  with ``has_aux`` a weight-0 micro-batch's slots run on frozen inputs for
+  its aux;
+- the loss is the sum of the slots' losses, each scaled by its
+  micro-batch's share (`scales`: `_weights` and `_reduction`, as the other
+  faces), in ``ctx.loss_dtype``;
+- messages and buffers start as `fill`.
 """
 
 from __future__ import annotations
@@ -80,7 +76,7 @@ class Local(NamedTuple):
     h: jax.ShapeDtypeStruct  # the local stage input
     aux: Any  # loss_fn's aux, as ShapeDtypeStructs (None without has_aux)
     axes: tuple[str, ...]  # the manual axes: the stage axis and the data axes
-    dtypes: Any  # the parameters' own dtypes, (first, stage, last)
+    dtypes: Any  # the accumulator dtypes of (first, stage, last)
     loss_dtype: Any  # the dtype the losses are summed in
 
 
@@ -162,29 +158,6 @@ def no_loss(ctx: Local) -> jax.Array:
     return zeros(jax.ShapeDtypeStruct((), ctx.loss_dtype), ctx.axes)
 
 
-def no_grads(ctx: Local, params: Any) -> Any:
-    """Zero gradients of the (widened) ``params``: a runner's carry."""
-    return zeros(jax.tree.map(jax.typeof, params), ctx.axes)
-
-
-def accumulator_dtypes(params: Any, policy: Any) -> Any:
-    """Each parameter's accumulator dtype under ``policy`` (`_dtypes`)."""
-    return jax.tree.map(lambda p: _dtypes.for_gradient(p.dtype, policy), params)
-
-
-def widen(params: Any, policy: Any) -> Any:
-    """``params`` in their accumulator dtypes: what a runner differentiates,
-    so the gradient sums over micro-batches run in that dtype."""
-    return jax.tree.map(
-        lambda p, d: p.astype(d), params, accumulator_dtypes(params, policy)
-    )
-
-
-def narrow(params: Any, dtypes: Any) -> Any:
-    """Widened ``params`` back in their own dtypes (exact: they came from there)."""
-    return jax.tree.map(lambda p, d: p.astype(d), params, dtypes)
-
-
 def scales(pipe: Pipeline, views: Any, data_axes: tuple, dtype: Any):
     """``(multipliers, weights)``: each local micro-batch's multiplier of its
     loss, and its admitted weight (1 without ``weight_fn``).
@@ -217,86 +190,3 @@ def scales(pipe: Pipeline, views: Any, data_axes: tuple, dtype: Any):
     parts = 1 if pipe.weight_fn is not None else devices
     divisor = pipe.reduction.loop_divisor(m * devices, parts)
     return here / jnp.asarray(divisor, dtype), w
-
-
-def stage_params(sp: Any, r: jax.Array) -> Any:
-    """This device's parameters for repeat ``r`` of its ``(R, ...)`` stack."""
-    return jax.tree.map(lambda v: lax.dynamic_index_in_dim(v, r, 0, False), sp)
-
-
-def forward(
-    ctx: Local,
-    params: tuple,
-    x_in: jax.Array,
-    m: Any,
-    r: Any,
-    active: Any,
-    with_loss: bool = True,
-    dy: Any = None,
-):
-    """One slot: ``(stage output, scaled loss, aux)``.
-
-    ``params`` is ``(first, stage r's, last)``, widened; ``x_in`` the stage
-    input that arrived (ignored on device 0's first pass, which embeds the
-    micro-batch). An idle slot, or one of a micro-batch of weight 0, runs
-    nothing: it sends `BUBBLE_FILL` and adds no loss; so does every slot
-    without ``with_loss``. ``dy`` (zeros) is added to the stage output, the
-    head's input: a runner differentiates by it for the cotangent there.
-    """
-    pipe = ctx.pipe
-    fp, sp, lp = narrow(params, ctx.dtypes)
-    last = ctx.num_stages * pipe.repeats
-    m = jnp.maximum(m, 0)  # idle cells say -1
-    r = jnp.maximum(r, 0)
-    mb = microbatch(ctx.views, m)
-    run = active & ctx.keep[m]
-    is_first = run & (ctx.stage == 0) & (r == 0)
-    is_last = run & (ctx.stage == ctx.num_stages - 1) & (r == pipe.repeats - 1)
-    vary = lambda a: _sharding.varying(a, ctx.axes)
-
-    def embed(fp, mb, x_in):
-        return vary(pipe.first_fn(fp, mb).astype(x_in.dtype))
-
-    def stage(sp, x):
-        j = r * ctx.num_stages + ctx.stage
-        return vary(call_stage(pipe, sp, x, ctx.key, m, j, ctx.shard))
-
-    # A micro-batch of weight 0 still gives its aux, as on the other faces:
-    # with has_aux its slots run on frozen (stop_gradient) inputs, which no
-    # gradient reaches; without, they are idle.
-    frozen = active & ~run if pipe.has_aux else jnp.bool_(False)
-    freeze = lambda f: lambda *a: f(*lax.stop_gradient(a))
-    x = lax.cond(
-        (is_first | (frozen & (ctx.stage == 0) & (r == 0))),
-        lambda fp, mb, x_in: lax.cond(run, embed, freeze(embed), fp, mb, x_in),
-        lambda fp, mb, x_in: x_in,
-        fp, mb, x_in,
-    )  # fmt: skip
-    idle = lambda sp, x: fill(ctx.h, ctx.axes)
-    if pipe.has_aux:
-        which = jnp.where(run, 2, jnp.where(frozen, 1, 0))
-        y = lax.switch(which, [idle, freeze(stage), stage], sp, x)
-    else:
-        y = lax.cond(run, stage, idle, sp, x)
-    if dy is not None:
-        y = y + dy
-    if not with_loss:
-        return y, no_loss(ctx), zeros(ctx.aux, ctx.axes)
-
-    def head(lp, y, mb, scale):
-        loss, aux = call_loss(pipe, lp, y, mb, ctx.key, m, last, ctx.shard)
-        loss = jnp.asarray(loss).astype(ctx.loss_dtype) * scale.astype(ctx.loss_dtype)
-        return vary(loss), jax.tree.map(vary, aux)
-
-    def aux_only(lp, y, mb, scale):
-        _, aux = freeze(head)(lp, y, mb, scale)
-        return no_loss(ctx), aux
-
-    def skip(lp, y, mb, scale):
-        return no_loss(ctx), zeros(ctx.aux, ctx.axes)
-
-    at_last = (ctx.stage == ctx.num_stages - 1) & (r == pipe.repeats - 1)
-    which = jnp.where(is_last, 2, jnp.where(frozen & at_last, 1, 0))
-    args = (lp, y, mb, ctx.scales[m])
-    loss, aux = lax.switch(which, [skip, aux_only, head], *args)
-    return y, loss, aux

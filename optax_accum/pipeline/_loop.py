@@ -1,0 +1,530 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""One runner for every schedule: a loop over the table that dispatches each op.
+
+Each tick, every device reads its cell of the table (op, micro-batch,
+repeat) and the slots `plan` gave the values it needs, and runs one branch
+of a ``lax.switch`` (op) over a ``lax.switch`` (variant). The variant is
+the slot's role, decided in the index, never inside the differentiated
+code: the stage's repeat, whether it embeds (stage 0) or ends in the loss
+(stage ``S·R - 1``), and whether the micro-batch is frozen (weight 0 with
+``has_aux``: its aux without its gradient). An idle cell, or a micro-batch
+of weight 0 without ``has_aux``, takes the idle branch. So every branch is
+straight-line code around one ``jax.vjp``: no ``lax.cond`` sits inside a
+linearization, and no weight-sized residual is copied or zero-filled.
+
+Two ways to run a backward (``split``):
+
+- whole (GPipe, circular, 1F1B, interleaved 1F1B): F runs the stage and the
+  stage input waits in a slot; the backward recomputes the slot under one
+  ``jax.vjp`` and takes every gradient (what GPipe's remat and 1F1B keep);
+- split (ZB-H1): F linearizes the stage once and keeps its residuals (not
+  the parameters among them: `probe` reads from the traced program which
+  residuals are parameters, and W puts the current ones back); B takes the
+  input cotangent from them and keeps the stage output's cotangent; W takes
+  the weight gradient from the same residuals. B computes no forward and no
+  weight gradient, W no input gradient (XLA drops each unused half). The
+  last stage linearizes at B, where its loss's cotangent is.
+
+Gradients are summed in the accumulator dtype (`_dtypes`, per leaf), the
+model always evaluated at the parameters themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _dtypes, _sharding
+from . import _schedule as sched
+from ._step import (
+    Cells,
+    Local,
+    call_loss,
+    call_stage,
+    fill,
+    microbatch,
+    no_loss,
+    ring,
+    zeros,
+)
+
+IDLE, FORWARD, BACKWARD = sched.IDLE, sched.FORWARD, sched.BACKWARD
+INPUT, WEIGHT = sched.INPUT, sched.WEIGHT
+
+
+class Plan(NamedTuple):
+    """Per tick and device (``cells``): op, micro-batch, repeat, the slot
+    the arriving stage output and cotangent are written to (-1: none), the
+    slots the op reads its stage input and cotangent from, and its residual
+    slot; and the number of slots of each buffer."""
+
+    cells: tuple[np.ndarray, ...]
+    nx: int
+    ng: int
+    nr: int
+
+
+def _slots(live: dict, ticks: int) -> tuple[np.ndarray, dict, int]:
+    """Greedy slots for one device's ``live`` intervals ``{key: [start,
+    end]}``: ``(store, where, count)``, the slot written at each start tick
+    (-1 elsewhere), each key's slot, and the number of slots."""
+    store = np.full(ticks, -1, np.int32)
+    free_at: list[int] = []  # per slot, the first tick it is free again
+    where = {}
+    for key, (start, end) in sorted(live.items(), key=lambda kv: kv[1][0]):
+        slot = next((i for i, f in enumerate(free_at) if f <= start), len(free_at))
+        if slot == len(free_at):
+            free_at.append(0)
+        free_at[slot] = end + 1
+        store[start], where[key] = slot, slot
+    return store, where, len(free_at)
+
+
+def plan(table: sched.ScheduleTable, split: bool) -> Plan:
+    """Where each value waits: a slot from the tick it arrives (or is made)
+    to the last tick that reads it, a freed slot reused. Stage inputs (x)
+    arrive from the device before; cotangents (g) from the device after;
+    residuals (split only) are made at F (the last stage: at B) and read at
+    B and W. The slots hold the table's most values in flight."""
+    ticks, stages = table.op.shape
+    last = stages * (int(table.repeat.max()) + 1) - 1
+    back = INPUT if split else BACKWARD
+    at = {}
+    for t, s in zip(*np.nonzero(table.op != IDLE), strict=True):
+        j = int(table.repeat[t, s]) * stages + int(s)
+        at[int(table.op[t, s]), int(table.microbatch[t, s]), j] = int(t)
+    lives = [[{} for _ in range(stages)] for _ in range(3)]
+    for (op, m, j), t in at.items():
+        if op != FORWARD:
+            continue
+        s, t_b = j % stages, at[back, m, j]
+        if j > 0:
+            end = t if split and j < last else t_b
+            lives[0][s][m, j] = [at[FORWARD, m, j - 1] + 1, end]
+        if j < last:
+            lives[1][s][m, j] = [at[back, m, j + 1] + 1, t_b]
+        if split:
+            lives[2][s][m, j] = [t_b if j == last else t, at[WEIGHT, m, j]]
+    stores = [np.full((ticks, stages), -1, np.int32) for _ in range(3)]
+    reads = [np.zeros((ticks, stages), np.int32) for _ in range(3)]
+    sizes = [1, 1, 1]
+    for k in range(3):
+        for s in range(stages):
+            store, where, count = _slots(lives[k][s], ticks)
+            stores[k][:, s], sizes[k] = store, max(sizes[k], count)
+            for t in np.nonzero(table.op[:, s] != IDLE)[0]:
+                key = (
+                    int(table.microbatch[t, s]),
+                    int(table.repeat[t, s]) * stages + s,
+                )
+                reads[k][t, s] = where.get(key, 0)
+    cells = (table.op, table.microbatch, table.repeat, stores[0], stores[1], *reads)
+    return Plan(cells, *sizes)
+
+
+class Residuals(NamedTuple):
+    """How a stage ``vjp``'s leaves wait between F and W: ``source[i]`` is
+    the stage parameter leaf that residual ``i`` is (the traced program
+    forwards it), or -1 for one kept in the slot (``kept``: their types)."""
+
+    treedef: Any
+    source: tuple[int, ...]
+    kept: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def probe(stage: Any, sp: Any, x: Any) -> Residuals:
+    """The `Residuals` of ``jax.vjp(stage, sp, x)``, read from its jaxpr: a
+    residual that is an input parameter (not a copy of one) is not kept."""
+    found = {}
+
+    def leaves(sp, x):
+        vjp = jax.vjp(stage, sp, x)[1]
+        flat, found["treedef"] = jax.tree.flatten(vjp)
+        return flat
+
+    closed = jax.make_jaxpr(leaves)(sp, x)
+    params = closed.jaxpr.invars[: len(jax.tree.leaves(sp))]
+    source, kept = [], []
+    for v, aval in zip(closed.jaxpr.outvars, closed.out_avals, strict=True):
+        j = next((i for i, p in enumerate(params) if v is p), -1)
+        source.append(j)
+        if j < 0:
+            kept.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return Residuals(found["treedef"], tuple(source), tuple(kept))
+
+
+def _add(acc: Any, d: Any) -> Any:
+    """``acc + d`` leaf by leaf in the accumulator's dtype (the arithmetic
+    at least float32, as `_dtypes.compute` says)."""
+
+    def add(a, g):
+        c = _dtypes.compute(a.dtype)
+        return (a.astype(c) + g.astype(c)).astype(a.dtype)
+
+    return jax.tree.map(add, acc, d)
+
+
+def _add_at(stack: jax.Array, r: jax.Array, d: jax.Array) -> jax.Array:
+    """``stack[r] += d`` in place (a dynamic update of the carry)."""
+    old = lax.dynamic_index_in_dim(stack, r, 0, False)
+    return lax.dynamic_update_index_in_dim(stack, _add(old, d), r, 0)
+
+
+def _get(buf: Any, slot: jax.Array) -> Any:
+    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, False), buf)
+
+
+def _store(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``buf[slot] = value``, or ``buf`` unchanged where ``slot`` < 0."""
+    i = jnp.maximum(slot, 0)
+    old = lax.dynamic_index_in_dim(buf, i, 0, False)
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, old), i, 0)
+
+
+class _Slot:
+    """The branches of one device's ops, each for a static role."""
+
+    def __init__(self, ctx: Local, split: bool, residuals: Residuals | None):
+        self.ctx, self.split, self.res = ctx, split, residuals
+        self.vary = lambda a: _sharding.varying(a, ctx.axes)
+
+    # The pieces of a slot, at micro-batch m of repeat r.
+    def embed(self, mb):
+        ctx = self.ctx
+        return lambda fp: self.vary(ctx.pipe.first_fn(fp, mb).astype(ctx.h.dtype))
+
+    def stage(self, m, r):
+        ctx = self.ctx
+        j = r * ctx.num_stages + ctx.stage
+        return lambda sp, x: self.vary(
+            call_stage(ctx.pipe, sp, x, ctx.key, m, j, ctx.shard)
+        )
+
+    def head(self, mb, m):
+        ctx, last = self.ctx, self.ctx.num_stages * self.ctx.pipe.repeats
+
+        def head(lp, y):
+            loss, aux = call_loss(ctx.pipe, lp, y, mb, ctx.key, m, last, ctx.shard)
+            loss = jnp.asarray(loss).astype(ctx.loss_dtype)
+            loss = loss * ctx.scales[m].astype(ctx.loss_dtype)
+            return self.vary(loss), jax.tree.map(self.vary, aux)
+
+        return head
+
+    def nil(self, tree: Any) -> Any:
+        """Zeros like ``tree``: a gradient this op does not add to."""
+        return zeros(jax.tree.map(jax.typeof, tree), self.ctx.axes)
+
+    def kept(self, vjp) -> tuple:
+        leaves = jax.tree.leaves(vjp)
+        if len(leaves) != len(self.res.source):  # pragma: no cover - a probe bug
+            raise AssertionError("the stage's vjp differs from the probed one.")
+        return tuple(
+            self.vary(v) for v, j in zip(leaves, self.res.source, strict=True) if j < 0
+        )
+
+    def rebuild(self, kept: tuple, sp: Any):
+        pleaves, it = jax.tree.leaves(sp), iter(kept)
+        leaves = [pleaves[j] if j >= 0 else next(it) for j in self.res.source]
+        return jax.tree.unflatten(self.res.treedef, leaves)
+
+    def branch(self, op: int, r: int, first: bool, last: bool, frozen: bool):
+        """The op's code for this role: straight-line, one linearization."""
+        ctx, split = self.ctx, self.split
+
+        def run(params, x_in, g_in, res_in, m):
+            fp, sps, lp = params
+            sp = sps[r]
+            if frozen:  # weight 0 with has_aux: values only, no gradient
+                fp, sp, lp, x_in = lax.stop_gradient((fp, sp, lp, x_in))
+            gf, gs, gl = (self.nil(t) for t in (fp, sp, lp))
+            mb = microbatch(ctx.views, m)
+            embed, stage, head = self.embed(mb), self.stage(m, r), self.head(mb, m)
+            nothing = fill(ctx.h, ctx.axes)
+            out_y, out_gx = nothing, nothing
+            loss, aux = no_loss(ctx), zeros(ctx.aux, ctx.axes)
+            res, wrote = res_in, jnp.bool_(False)
+
+            def done():
+                return out_y, out_gx, res, wrote, (gf, gs, gl), loss, aux
+
+            if op == FORWARD:
+                x = embed(fp) if first else x_in
+                if split and not frozen:
+                    out_y, vjp = jax.vjp(stage, sp, x)
+                    res, wrote = (self.kept(vjp), res_in[1]), jnp.bool_(True)
+                else:
+                    out_y = stage(sp, x)
+                return done()
+            if frozen:  # the last stage's aux, at its backward
+                x = embed(fp) if first else x_in
+                _, aux = head(lp, stage(sp, x))
+                return done()
+            e_vjp = None
+            if op == WEIGHT:
+                gs, _ = self.rebuild(res_in[0], sp)(res_in[1])
+                return done()
+            if op == INPUT and not last:
+                s_vjp = self.rebuild(res_in[0], sp)
+                ct_y = g_in
+                if first:
+                    _, e_vjp = jax.vjp(embed, fp)
+            else:  # the whole backward, or B of the last stage
+                if first:
+                    x, e_vjp = jax.vjp(embed, fp)
+                else:
+                    x = x_in
+                y, s_vjp = jax.vjp(stage, sp, x)
+                if last:
+                    loss, h_vjp, aux = jax.vjp(head, lp, y, has_aux=True)
+                    gl, ct_y = h_vjp(jnp.ones_like(loss))
+                else:
+                    ct_y = g_in
+            gsp, gx = s_vjp(ct_y)
+            if op == BACKWARD:
+                gs = gsp
+            else:  # B: W takes the weights' share from the residuals
+                kept = self.kept(s_vjp) if last else res_in[0]
+                res, wrote = (kept, self.vary(ct_y)), jnp.bool_(True)
+            if first:
+                (gf,) = e_vjp(gx)
+            else:
+                out_gx = self.vary(gx)
+            return done()
+
+        return run
+
+
+def _roles(stages: int, repeats: int) -> set[tuple[int, bool, bool]]:
+    """Every (repeat, first, last) a device can be in."""
+    return {
+        (r, r == 0 and s == 0, r == repeats - 1 and s == stages - 1)
+        for r in range(repeats)
+        for s in range(stages)
+    }
+
+
+def _dispatch(ctx: Local, split: bool, slot: _Slot):
+    """``(branches, variants)``: per op a function ``(variant, *args)``, and
+    the ``(5, R, 2, 2, 2)`` table of the variant of (op, repeat, first,
+    last, frozen), -1 where the slot is idle."""
+    repeats = ctx.pipe.repeats
+    ops = (FORWARD, INPUT, WEIGHT) if split else (FORWARD, BACKWARD)
+    variants = np.full((5, repeats, 2, 2, 2), -1, np.int32)
+    branches = [None] * 5
+    for op in ops:
+        keys: list[tuple] = []
+        for r, first, last in sorted(_roles(ctx.num_stages, repeats)):
+            for frozen in (False, True) if ctx.pipe.has_aux else (False,):
+                if op == FORWARD:
+                    # The last stage's forward is its backward's (whole: it
+                    # recomputes; split: it linearizes at B).
+                    key = None if last else (r, first, False, frozen and split)
+                elif frozen:  # only the last stage's aux, at its backward
+                    key = (r, first, True, True) if last and op != WEIGHT else None
+                elif op == WEIGHT:
+                    key = (r, False, False, False)
+                else:
+                    key = (r, first, last, False)
+                if key is None:
+                    continue
+                if key not in keys:
+                    keys.append(key)
+                variants[op, r, int(first), int(last), int(frozen)] = keys.index(key)
+        leaves = [slot.branch(op, *key) for key in keys]
+        branches[op] = _switch(leaves)
+    return branches, variants
+
+
+def _switch(leaves: list):
+    if len(leaves) == 1:
+        return lambda variant, *args: leaves[0](*args)
+    return lambda variant, *args: lax.switch(variant, leaves, *args)
+
+
+def _idle(variant, params, x_in, g_in, res_in, m, *, ctx):
+    nothing = fill(ctx.h, ctx.axes)
+    fp, sps, lp = params
+    deltas = zeros(jax.tree.map(jax.typeof, (fp, sps[0], lp)), ctx.axes)
+    aux = zeros(ctx.aux, ctx.axes)
+    return nothing, nothing, res_in, jnp.bool_(False), deltas, no_loss(ctx), aux
+
+
+def accumulators(ctx: Local, params: tuple) -> tuple:
+    """Zero gradient sums of ``(first, stages, last)`` in the accumulator
+    dtypes ``ctx.dtypes`` (the stages: one, or the ``(R, ...)`` stack)."""
+    fd, sd, ld = ctx.dtypes
+    fp, sp, lp = params
+
+    def zero(tree, dtypes):
+        like = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), tree, dtypes)
+        return zeros(like, ctx.axes)
+
+    return zero(fp, fd), zero(sp, sd), zero(lp, ld)
+
+
+def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
+    """``(loss, grads, per-tick aux)`` of this device's share of the loss;
+    the stage gradients stacked ``(R, ...)`` like this device's stages."""
+    axis, stages, repeats = ctx.pipe.stage_axis, ctx.num_stages, ctx.pipe.repeats
+    fp, sp, lp = params
+    # One tree per repeat, sliced once here rather than every tick.
+    sps = tuple(jax.tree.map(lambda v, r=r: v[r], sp) for r in range(repeats))
+    params = (fp, sps, lp)
+    layout = plan(table, split)
+    cells = Cells(layout.cells)
+    residuals = None
+    if split:
+        m0 = jnp.zeros((), jnp.int32)
+        slot0 = _Slot(ctx, split, None)
+        residuals = probe(slot0.stage(m0, 0), sps[0], zeros(ctx.h, ctx.axes))
+    slot = _Slot(ctx, split, residuals)
+    branches, variants = _dispatch(ctx, split, slot)
+    branches[IDLE] = lambda *a: _idle(*a, ctx=ctx)
+    for op in range(5):
+        if branches[op] is None:
+            branches[op] = branches[IDLE]
+    variants = jnp.asarray(variants)
+    first_dev = ctx.stage == 0
+    last_dev = ctx.stage == stages - 1
+
+    def buffer(n, like):
+        return fill(jax.ShapeDtypeStruct((n, *like.shape), like.dtype), ctx.axes)
+
+    kept = residuals.kept if split else ()
+    rbuf = (tuple(buffer(layout.nr, k) for k in kept), buffer(layout.nr, ctx.h))
+    if not split:
+        rbuf = ((), buffer(1, ctx.h))
+
+    def slot_op(t, state, x_store, g_store, f_msg, b_msg, grad=True):
+        """Tick ``t``'s op, the messages stored: ``(state, y, gx, aux)``."""
+        xbuf, gbuf, rbuf, grads, total = state
+        op, m, r, _, _, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
+        if x_store is not None:  # None: nothing arrives (a pair's second op)
+            xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
+        x_in = lax.dynamic_index_in_dim(xbuf, x_slot, 0, False)
+        g_in = lax.dynamic_index_in_dim(gbuf, g_slot, 0, False)
+        res_in = _get(rbuf, r_slot)
+        m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+        keep = ctx.keep[m]
+        frozen = ~keep if ctx.pipe.has_aux else jnp.bool_(False)
+        first = first_dev & (r == 0)
+        last = last_dev & (r == repeats - 1)
+        variant = variants[op, r, first.astype(jnp.int32), last.astype(jnp.int32),
+                           frozen.astype(jnp.int32)]  # fmt: skip
+        live = (variant >= 0) & (keep | frozen)
+        which = jnp.where(live, op, IDLE)
+        args = (params, x_in, g_in, res_in, m)
+        # Buffers and sums stay outside the switch: a branch returns what it
+        # made, so no branch passes (and copies) a buffer it does not touch.
+        y, gx, res, wrote, (df, ds, dl), loss, aux = lax.switch(
+            which, branches, jnp.maximum(variant, 0), *args
+        )
+        rbuf = jax.tree.map(
+            lambda b, v: _store(b, jnp.where(wrote, r_slot, -1), v), rbuf, res
+        )
+        if grad:  # a loop of forwards alone adds nothing
+            gf, gs, gl = grads
+            if repeats == 1:
+                gs = _add(gs, ds)
+            else:
+                gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
+            grads = (_add(gf, df), gs, _add(gl, dl))
+        return (xbuf, gbuf, rbuf, grads, total + loss), y, gx, aux
+
+    def send(y, gx, send_f=True, send_b=True):
+        nothing = fill(ctx.h, ctx.axes)
+        f_msg = lax.ppermute(y, axis, ring(stages, 1)) if send_f else nothing
+        b_msg = lax.ppermute(gx, axis, ring(stages, -1)) if send_b else nothing
+        return f_msg, b_msg
+
+    def tick(carry, _, send_f=True, send_b=True, grad=True):
+        t, *state, f_msg, b_msg = carry
+        _, _, _, x_store, g_store, *_ = cells.at(t, ctx.stage)
+        state, y, gx, aux = slot_op(t, state, x_store, g_store, f_msg, b_msg, grad)
+        f_msg, b_msg = send(y, gx, send_f, send_b)
+        return (t + 1, *state, f_msg, b_msg), aux
+
+    def pair(carry, _):
+        # Forwards on even ticks, backwards on odd ones (interleaved 1F1B):
+        # no message crosses within a pair, so one step runs both, with one
+        # ppermute per direction. The stage output sent at the even tick
+        # waits for the next step, as the cotangent of the odd tick does.
+        t, *state, f_msg, b_msg = carry
+        x_store = cells.at(jnp.maximum(t - 1, 0), ctx.stage)[3]
+        g_store = cells.at(t, ctx.stage)[4]
+        state, y, _, aux_f = slot_op(
+            t, state, x_store, g_store, f_msg, b_msg, grad=False
+        )  # a forward adds no gradient
+        state, _, gx, aux_b = slot_op(t + 1, state, None, None, f_msg, b_msg)
+        f_msg, b_msg = send(y, gx)
+        aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_f, aux_b)
+        return (t + 2, *state, f_msg, b_msg), aux
+
+    h = fill(ctx.h, ctx.axes)
+    init = (
+        jnp.int32(0),
+        buffer(layout.nx, ctx.h),
+        buffer(layout.ng, ctx.h),
+        rbuf,
+        accumulators(ctx, (fp, sps[0] if repeats == 1 else sp, lp)),
+        no_loss(ctx),
+        h,
+        h,
+    )
+    if paired(table):
+        carry, auxs = lax.scan(pair, init, length=table.num_ticks // 2)
+        *_, (gf, gs, gl), total, _, _ = carry
+        auxs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), auxs)
+        return total, _stacked((gf, gs, gl), repeats), auxs
+    carry, auxs = init, []
+    for start, stop, send_f, send_b in phases(table, split):
+        grad = bool(np.isin(table.op[start:stop], (BACKWARD, INPUT, WEIGHT)).any())
+        body = functools.partial(tick, send_f=send_f, send_b=send_b, grad=grad)
+        carry, out = lax.scan(body, carry, length=stop - start)
+        auxs.append(out)
+    *_, grads, total, _, _ = carry
+    auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
+    return total, _stacked(grads, repeats), auxs
+
+
+def _stacked(grads: tuple, repeats: int) -> tuple:
+    """The stage sums as an ``(R, ...)`` stack (with one repeat they are one
+    stage's own shape in the loop)."""
+    gf, gs, gl = grads
+    if repeats == 1:
+        gs = jax.tree.map(lambda g: g[None], gs)
+    return gf, gs, gl
+
+
+def paired(table: sched.ScheduleTable) -> bool:
+    """Forwards only on even ticks and whole backwards only on odd ones."""
+    even, odd = table.op[0::2], table.op[1::2]
+    return (
+        table.num_ticks % 2 == 0
+        and bool(np.isin(even, (IDLE, FORWARD)).all())
+        and bool(np.isin(odd, (IDLE, BACKWARD)).all())
+    )
+
+
+def phases(table: sched.ScheduleTable, split: bool) -> list[tuple]:
+    """``(start, stop, forward sends, backward sends)`` per loop: a table
+    whose backward ops all follow its forward ops (GPipe, circular) runs as
+    two loops, each with only its direction's ``ppermute``; any other, one."""
+    stages = table.op.shape[1]
+    j = table.repeat * stages + np.arange(stages)
+    last = stages * (int(table.repeat.max()) + 1) - 1
+    back = INPUT if split else BACKWARD
+    f = ((table.op == FORWARD) & (j < last)).any(axis=1)
+    b = ((table.op == back) & (j > 0)).any(axis=1)
+    ticks = table.num_ticks
+    p = int(np.nonzero(b)[0][0]) if b.any() else ticks
+    if 0 < p < ticks and not f[p:].any():
+        return [(0, p, True, False), (p, ticks, False, True)]
+    return [(0, ticks, True, True)]
