@@ -52,23 +52,32 @@ def canonical_convolutions(f: Callable[..., Any]) -> Callable[..., Any]:
 
     def relaid(*args: Any) -> Any:
         # Only array leaves are traced; anything else stays a Python value.
-        leaves, tree = jax.tree.flatten(args)
-        where = [j for j, x in enumerate(leaves) if isinstance(x, _ARRAYS)]
-
-        def g(*arrays: Any) -> Any:
-            full = list(leaves)
-            for j, x in zip(where, arrays, strict=True):
-                full[j] = x
-            return f(*jax.tree.unflatten(tree, full))
-
-        arrays = [leaves[j] for j in where]
-        closed, shape = jax.make_jaxpr(g, return_shape=True)(*arrays)
+        arrays, fill = split_arrays(args)
+        closed, shape = jax.make_jaxpr(lambda *a: f(*fill(a)), return_shape=True)(
+            *arrays
+        )
         if not _has_convolution(closed.jaxpr):
             return f(*args)
         flat = _run(closed.jaxpr, closed.consts, arrays)
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
     return relaid
+
+
+def split_arrays(tree: Any) -> tuple[list, Callable[[Any], Any]]:
+    """``tree``'s array leaves, and a function that puts other arrays in
+    their places (the other leaves, such as an Equinox model's functions,
+    stay as they are): what a trace or a `lax.cond` may take as operands."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [j for j, x in enumerate(leaves) if isinstance(x, _ARRAYS)]
+
+    def fill(arrays: Any) -> Any:
+        full = list(leaves)
+        for j, x in zip(where, arrays, strict=True):
+            full[j] = x
+        return jax.tree.unflatten(treedef, full)
+
+    return [leaves[j] for j in where], fill
 
 
 def _has_convolution(jaxpr: core.Jaxpr) -> bool:

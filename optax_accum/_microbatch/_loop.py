@@ -36,7 +36,7 @@ from .. import _devices, _dtypes, _sharding, _weights
 from .. import _noise_scale as ns
 from .._loss_scale import ScaledGrads
 from ._call import Call, forward, microbatch_args, pinned, run, views, weights
-from ._layout import canonical_convolutions
+from ._layout import canonical_convolutions, split_arrays
 from ._options import Context, Options
 
 
@@ -170,7 +170,13 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
         if not skips:
             return compute(carry, margs, i)
         real = jnp.asarray(how.weights)[i] > 0
-        return lax.cond(real, compute, skip_relaid, carry, margs, i)
+        # Only arrays are the cond's operands; other leaves (an Equinox
+        # model's functions) stay Python values, closed over.
+        arrays, fill = split_arrays(margs)
+        on, off = (
+            lambda c, a, j, f=f: f(c, fill(a), j) for f in (compute, skip_relaid)
+        )
+        return lax.cond(real, on, off, carry, arrays, i)
 
     init = _init(shapes, state, opts)
     carry, aux = _loop(body, init, opts.k, trips(opts))
