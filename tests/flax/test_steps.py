@@ -92,11 +92,20 @@ def test_nnx_step_equals_explicit_loop():
         optimizer.update(model, mean)
         return sum(losses) / K
 
-    for _ in range(2):
+    steps = 2
+    for _ in range(steps):
         loss = step(model, optimizer, x, y)
         ref_loss = ref_step(ref_model, ref_optimizer, x, y)
         _close(loss, ref_loss)
-    _close(nnx.state(model), nnx.state(ref_model))
+    # `l1.bias` feeds a BatchNorm, so its exact gradient is 0: Adam turns the
+    # float32 rounding of either side into steps of up to the learning rate
+    # (issue 33, section 4). That leaf gets a tolerance scaled to lr * steps;
+    # every other leaf is held to the usual fp32 tolerance.
+    state, ref_state = nnx.state(model), nnx.state(ref_model)
+    bias, ref_bias = state["l1"]["bias"][...], ref_state["l1"]["bias"][...]
+    np.testing.assert_allclose(bias, ref_bias, rtol=0, atol=1e-2 * steps)
+    state["l1"]["bias"][...] = ref_bias
+    _close(state, ref_state)
     # BatchNorm running stats moved k times per step (momentum 0.9, 2 steps).
     assert not np.allclose(model.bn.mean[...], 0.0)
     assert int(model.drop.rngs.count[...]) == 2 * K
