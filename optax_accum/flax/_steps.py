@@ -81,7 +81,10 @@ def nnx_train_step(
       loss_fn: ``loss_fn(model, *batch) -> loss`` or ``(loss, aux)``.
       num_microbatches: k, as in `optax_accum.microbatch`.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
-        stacked along a leading axis of length k.
+        stacked along a leading axis of length k (micro-batch ``i``: rows
+        ``i::k``), or with ``aux_order="batch"`` its row-wise leaves (the
+        logits) as ``(B, ...)`` in the batch's order, ready for
+        ``metrics.update(logits=aux, labels=batch["label"])``.
       loss_scaling: fp16 dynamic loss scaling: the step then takes
         ``loss_scale=`` (e.g. a ``jmp.DynamicLossScale``), scales each
         micro-batch's loss by it and unscales the gradients
@@ -92,10 +95,11 @@ def nnx_train_step(
         step.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
-        ``data_axes``, ``aux_rows``, ``noise_scale_decay``, passed to
-        `optax_accum.microbatch_value_and_grad`. ``aux_rows`` declares
-        ``aux``'s row-wise leaves; a bool covers the sown intermediates too,
-        a pytree covers ``aux`` and leaves the sown ones statistics.
+        ``data_axes``, ``aux_rows``, ``aux_order``, ``noise_scale_decay``,
+        passed to `optax_accum.microbatch_value_and_grad`. ``aux_rows``
+        declares ``aux``'s row-wise leaves; a bool covers the sown
+        intermediates too, a pytree covers ``aux`` and leaves the sown ones
+        statistics. ``aux_order`` orders the sown row-wise leaves as ``aux``.
 
     Returns:
       ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which

@@ -343,3 +343,56 @@ def test_flax_helpers_validate_at_construction(k, error, match):
         nnx_train_step(loss, 2, reduction="avg")
     with pytest.raises(TypeError, match="`batch_argnums` is set by nnx_train_step"):
         nnx_train_step(loss, 2, batch_argnums=1)
+
+
+# ------------------------------------------------ aux in the batch's row order
+
+
+def _tutorial_loss(model, batch):
+    # The Flax NNX MNIST tutorial's loss_fn: it returns the logits as aux.
+    logits = model(batch["image"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return loss.mean(), logits
+
+
+def test_nnx_aux_order_batch_feeds_the_tutorials_metrics_line():
+    x, y = _data(24)
+    batch = {"image": x, "label": y}
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    want_logits = model(x)  # the plain per-row output, before the update
+    want = nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    want.update(loss=_tutorial_loss(model, batch)[0], logits=want_logits, labels=y)
+
+    step = nnx.jit(nnx_train_step(_tutorial_loss, K, has_aux=True, aux_order="batch"))
+    loss, logits = step(model, optimizer, batch)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
+    metrics = nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])  # as written
+    _close(metrics.compute(), want.compute())
+    # The default stays stacked per micro-batch, rows i::k.
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    _, stacked = nnx.jit(nnx_train_step(_tutorial_loss, K, has_aux=True))(
+        model, optimizer, batch
+    )
+    assert stacked.shape == (K, 24 // K, 2)
+    _close(stacked.swapaxes(0, 1).reshape(24, 2), want_logits)
+
+
+def test_linen_aux_order_batch_equals_the_whole_batch_logits():
+    x, y = _data(24)
+    state = _plain_state(optax.sgd(0.1))
+
+    def loss_fn(params, rng, x, y):
+        logits = state.apply_fn({"params": params}, x)
+        return jnp.mean((logits[:, 0] - y.astype(jnp.float32)) ** 2), logits
+
+    step = jax.jit(linen_train_step(loss_fn, K, has_aux=True, aux_order="batch"))
+    _, (_, logits) = step(state, x, y)
+    want = state.apply_fn({"params": state.params}, x)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
