@@ -64,7 +64,15 @@ def nnx_train_step(
     with the model's PRNG keys folded with ``d``
     (``jax.random.fold_in(key, d)``, ``d`` the index over the named axes), so
     devices draw their own masks; the model's keys stay as they were and its
-    counters advance once per micro-batch. BatchNorm: each micro-batch is
+    counters advance once per micro-batch. Call-time Rngs, as in the Flax
+    NNX tutorial (``loss_fn(model, rngs, batch)`` calling
+    ``model(x, rngs)``, whose Dropout layers hold no Rngs): pass the
+    ``nnx.Rngs`` (or an ``RngStream``) as a step argument,
+    ``step(model, optimizer, rngs, batch)``; it is no batch, it reaches
+    ``loss_fn`` where it was given, and its state is threaded through the
+    micro-batches as the model's is, so micro-batch ``i`` draws what the
+    ``i``-th of k small steps with that Rngs would and its counters advance
+    as over those k steps. BatchNorm: each micro-batch is
     normalized with its own batch statistics and the running averages are
     updated micro-batch by micro-batch, in order (k momentum steps per
     optimizer step).
@@ -137,27 +145,38 @@ def nnx_train_step(
         check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
         _nnx.check_arguments(model, optimizer)
         parts = _nnx.split(model, optimizer.wrt)
+        # Call-time nnx.Rngs arguments leave the batch; their state is
+        # threaded through the micro-batches as the model's is.
+        call_rngs = _nnx.CallRngs(batch)
 
-        def loss(trained, frozen, *batch, state):
-            call = lambda m: loss_fn(m, *batch)
+        def loss(trained, frozen, *arrays, state):
+            model_state, rng_state = state
+            rngs = call_rngs.merge(rng_state, opts.data_axes)
+            call = lambda m: loss_fn(m, *call_rngs.batch(arrays, rngs))
             out, sown, new_state = _nnx.run(
-                parts, trained, frozen, state, call, opts.data_axes
+                parts, trained, frozen, model_state, call, opts.data_axes
             )
             value, aux = out if has_aux else (out, None)
-            return (value, (aux, sown)), new_state
+            return (value, (aux, sown)), (new_state, call_rngs.state(rng_state, rngs))
 
+        arrays = call_rngs.arrays
         mb = fused_loop(
             loss,
             loss_scale,
             num_microbatches,
-            range(2, len(batch) + 2),
+            range(2, len(arrays) + 2),
             (),
             microbatch_kwargs,
         )
         tracker = {"noise_scale": noise_scale} if noise else {}
-        out = mb(parts.trained, parts.frozen, *batch, state=parts.state, **tracker)
+        state = (parts.state, call_rngs.initial)
+        out = mb(parts.trained, parts.frozen, *arrays, state=state, **tracker)
         loss, (aux, sown), grads, new_state, tracker, scaled = split_output(out, noise)
+        new_state, rng_state = new_state
         _nnx_update(model, optimizer, grads, new_state, loss, scaled, opt_kwargs)
+        if scaled is not None:
+            rng_state = keep_unless(scaled.finite, rng_state, call_rngs.initial)
+        call_rngs.update(rng_state)
         nnx.update(model, sown)
         result = (loss, aux) if has_aux else loss
         more = extras(tracker, scaled, noise)

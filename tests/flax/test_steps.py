@@ -396,3 +396,65 @@ def test_linen_aux_order_batch_equals_the_whole_batch_logits():
     _, (_, logits) = step(state, x, y)
     want = state.apply_fn({"params": state.params}, x)
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------- call-time Rngs, as the tutorial has
+
+
+class _CallRngsNet(nnx.Module):
+    # As the Flax NNX MNIST tutorial's CNN: Dropout holds no Rngs, the model
+    # takes them at call time.
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(3, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x, rngs):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
+
+
+def _rngs_loss(model, rngs, batch):
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return loss.mean(), logits
+
+
+def _rngs_setup():
+    model = _CallRngsNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer, nnx.Rngs(dropout=5)
+
+
+def test_nnx_step_takes_call_time_rngs_as_k_small_steps_would():
+    x, y = _data()
+    batch = {"image": x, "label": y}
+    model, optimizer, rngs = _rngs_setup()
+    step = nnx.jit(nnx_train_step(_rngs_loss, K, has_aux=True))
+    ref_model, ref_optimizer, ref_rngs = _rngs_setup()
+
+    @nnx.jit
+    def ref_step(model, optimizer, rngs, batch):
+        # K plain nnx steps' forward passes with the same Rngs, one update.
+        grad_fn = nnx.value_and_grad(_rngs_loss, has_aux=True)
+        losses, grads = [], []
+        for i in range(K):
+            (loss, _), g = grad_fn(
+                model, rngs, jax.tree.map(lambda a, i=i: a[i::K], batch)
+            )
+            losses.append(loss)
+            grads.append(g)
+        optimizer.update(model, jax.tree.map(lambda *g: sum(g) / K, *grads))
+        return sum(losses) / K
+
+    for n in (1, 2):
+        loss, _ = step(model, optimizer, rngs, batch)
+        _close(loss, ref_step(ref_model, ref_optimizer, ref_rngs, batch))
+        # The counter advanced as over K plain steps: one draw a micro-batch.
+        assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...])
+        assert int(rngs.dropout.count[...]) == n * K
+    _close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+
+
+def test_nnx_step_refuses_rng_argnums_saying_what_to_pass():
+    with pytest.raises(TypeError, match=r"no `rng_argnums`.*nnx\.Rngs.*step\(model"):
+        nnx_train_step(_rngs_loss, K, rng_argnums=1)
