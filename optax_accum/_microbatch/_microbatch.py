@@ -28,7 +28,14 @@ from ._call import batch_size, note_unsplit
 from ._keywords import MicrobatchKeywords, takes_keywords
 from ._local import device_local
 from ._loop import Loop, scan
-from ._options import Context, Options, check_callable, check_no_nnx_modules, options
+from ._options import (
+    Context,
+    Options,
+    check_callable,
+    check_no_nnx_modules,
+    nnx_state_error,
+    options,
+)
 
 _RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 
@@ -217,6 +224,9 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
             try:
                 out = _run(fun, opts, list(args), kwargs, state)
             except Exception as e:
+                refused = nnx_state_error(e)
+                if refused is not None:
+                    raise refused from e
                 note_unsplit(e, list(args), opts)
                 raise
         result = _pack(out, opts)

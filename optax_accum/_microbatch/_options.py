@@ -265,3 +265,26 @@ def check_no_nnx_modules(args: Any) -> None:
             "which splits the model into arrays (and threads its state), or pass "
             "nnx.split(model)'s arrays to a function that merges them."
         )
+
+
+def nnx_state_error(error: Exception) -> Exception | None:
+    """A TypeError in `microbatch`'s name for Flax's ``TraceContextError``:
+    ``fun`` changed an nnx Variable made outside the loop (BatchNorm running
+    statistics in training mode, an Rngs counter), a change `microbatch`
+    cannot carry out of its scan. None for any other error."""
+    errors = sys.modules.get("flax.errors")
+    trace_error = getattr(errors, "TraceContextError", None)
+    if trace_error is None or not isinstance(error, trace_error):
+        return None
+    return TypeError(
+        "`microbatch`'s `fun` changed a flax.nnx Variable made outside its loop "
+        f"({error}): BatchNorm running statistics in training mode, or an "
+        "Rngs counter of a model merged from `nnx.split` arrays. `microbatch` "
+        "threads no model state through its micro-batches, and merging with "
+        "`nnx.merge(..., copy=True)` would drop every change silently. Use "
+        "optax_accum.flax.nnx_train_step(loss_fn, k), which threads BatchNorm "
+        "statistics and Rngs counters as k small steps would; or let the "
+        "optimizer accumulate (optax_accum.accumulate) with an ordinary step "
+        "per micro-batch; or run such layers without state (BatchNorm with "
+        "`use_running_average=True`, Dropout with a key in `rng_argnums`)."
+    )
