@@ -22,7 +22,7 @@ CODE_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", re.S | re.M)
 @pytest.mark.slow
 def test_custom_nnx_steps_in_the_guide_match_the_helper():
     cells = CODE_CELL.findall(PAGE.read_text())
-    assert len(cells) == 6
+    assert len(cells) == 7
     namespace: dict = {}
     for cell in cells:
         exec(compile(cell, str(PAGE), "exec"), namespace)
