@@ -458,3 +458,28 @@ def test_nnx_step_takes_call_time_rngs_as_k_small_steps_would():
 def test_nnx_step_refuses_rng_argnums_saying_what_to_pass():
     with pytest.raises(TypeError, match=r"no `rng_argnums`.*nnx\.Rngs.*step\(model"):
         nnx_train_step(_rngs_loss, K, rng_argnums=1)
+
+
+def test_nnx_aux_order_batch_orders_sown_rows_as_aux():
+    class Sowing(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(3, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.l(x)
+            self.sow(nnx.Intermediate, "h", h)
+            return h
+
+    def loss_fn(model, x):
+        h = model(x)
+        return jnp.mean(h**2), h
+
+    model = Sowing(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x = _data(24)[0]
+    want = model.l(x)
+    step = nnx.jit(nnx_train_step(loss_fn, K, has_aux=True, aux_order="batch"))
+    _, aux = step(model, optimizer, x)
+    (sown,) = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))
+    _close(aux, want)
+    _close(sown, want)
