@@ -460,6 +460,9 @@ def test_nnx_step_refuses_rng_argnums_saying_what_to_pass():
         nnx_train_step(_rngs_loss, K, rng_argnums=1)
 
 
+@pytest.mark.filterwarnings(
+    "ignore:Using 'Module.sow\\(\\)' outside of 'nnx.capture\\(\\)'"
+)
 def test_nnx_aux_order_batch_orders_sown_rows_as_aux():
     class Sowing(nnx.Module):
         def __init__(self, rngs):
