@@ -256,6 +256,15 @@ def check_no_nnx_modules(args: Any) -> None:
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
+    is_rngs = lambda x: isinstance(x, nnx.Rngs | nnx.RngStream)
+    if any(is_rngs(x) for x in jax.tree.leaves(args, is_leaf=is_rngs)):
+        raise TypeError(
+            "`microbatch` got a flax.nnx Rngs as an argument; its counters are "
+            "state, not a batch to slice. Pass a PRNG key (e.g. "
+            "`rngs.dropout()`) and name it in `rng_argnums` (micro-batch i gets "
+            "`fold_in(key, i)`), or use optax_accum.flax.nnx_train_step, which "
+            "takes a call-time nnx.Rngs and threads its counters."
+        )
     is_module = lambda x: isinstance(x, nnx.Module)
     if any(is_module(x) for x in jax.tree.leaves(args, is_leaf=is_module)):
         raise TypeError(

@@ -23,6 +23,7 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
+import optax_accum  # noqa: E402
 from optax_accum.flax import linen_train_step, nnx_train_step  # noqa: E402
 
 K = 4
@@ -486,3 +487,12 @@ def test_nnx_aux_order_batch_orders_sown_rows_as_aux():
     (sown,) = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))
     _close(aux, want)
     _close(sown, want)
+
+
+def test_microbatch_refuses_an_nnx_rngs_saying_what_to_pass():
+    # Before: "batch argument 1 has a scalar leaf at .default.count.value".
+    grad_fn = optax_accum.microbatch(
+        jax.value_and_grad(lambda w, rngs, x: jnp.mean(x * w)), 2, batch_argnums=2
+    )
+    with pytest.raises(TypeError, match=r"nnx Rngs.*`rng_argnums`.*nnx_train_step"):
+        grad_fn(jnp.float32(1.0), nnx.Rngs(0), jnp.ones(4))
