@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -102,20 +102,18 @@ def test_aux_rows_says_which_leaves_are_rows():
         jax.eval_shape(five, w, x)
 
 
-def test_device_local_rows_come_back_in_batch_order():
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("local", [False, True])
+def test_rows_on_a_mesh_come_back_in_batch_order(local, axis_type):
     x, w = _data()
-    mesh = jax.make_mesh((2,), ("data",))
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(axis_type,))
+    local_kw = {"data_axes": "data", "aux_rows": {"rows": True, "mean": False}}
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("data")))
         fun = optax_accum.microbatch_value_and_grad(
-            _loss,
-            3,
-            has_aux=True,
-            data_axes="data",
-            aux_order="batch",
-            aux_rows={"rows": True, "mean": False},
+            _loss, 3, has_aux=True, aux_order="batch", **(local_kw if local else {})
         )
-        (_, aux), _ = fun(w, xs)
+        (_, aux), _ = jax.jit(fun)(w, xs)
     np.testing.assert_allclose(aux["rows"], x @ w, rtol=1e-6)
     assert aux["mean"].shape == (3,)
 

@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .. import _sharding
 
 
 def row_flags(aux: Any, declared: Any, rows: int) -> list[bool]:
@@ -48,11 +52,20 @@ def in_batch_order(aux: Any, flags: Sequence[bool], k: int, n_dev: int = 1) -> A
     batch's row order; the others as they are."""
 
     def batch_order(a: jax.Array) -> jax.Array:
+        shape = (k * a.shape[1], *a.shape[2:])
+        if n_dev == 1:
+            # (B/k, k, ...) -> (B, ...) merges into the rows' axis, as the
+            # batch was split: on an Explicit mesh it keeps the rows' spec.
+            rows = jnp.swapaxes(a, 0, 1)
+            spec = _sharding.explicit_spec(rows)
+            if spec is None:
+                return rows.reshape(shape)
+            tail = tuple(spec)[2:] if len(spec) > 2 else ()
+            head = spec[0] if len(spec) else None
+            return jax.lax.reshape(rows, shape, out_sharding=P(head, *tail))
         m = a.shape[1] // n_dev
         blocks = a.reshape(k, n_dev, m, *a.shape[2:])
-        return blocks.transpose(1, 2, 0, *range(3, a.ndim + 1)).reshape(
-            k * a.shape[1], *a.shape[2:]
-        )
+        return blocks.transpose(1, 2, 0, *range(3, a.ndim + 1)).reshape(shape)
 
     leaves, treedef = jax.tree.flatten(aux)
     return jax.tree.unflatten(
