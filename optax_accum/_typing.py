@@ -18,6 +18,8 @@ AxisName = Hashable | tuple[Hashable, ...]
 
 #: How the micro-batch gradients of a window combine.
 Reduction = Literal["mean", "sum"]
+#: The row order of a fused step's row-wise ``aux`` leaves.
+AuxOrder = Literal["microbatch", "batch"]
 
 #: A floating or complex dtype, ``"promote"`` (at least float32, of each
 #: gradient's own kind) or ``None`` (each gradient's own dtype); or a pytree

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import jax
 
-from .._typing import AccumulatorDType, AxisName, Reduction
+from .._typing import AccumulatorDType, AuxOrder, AxisName, Reduction
 
 F = TypeVar("F", bound=Callable[..., Any])
 # The line of a face's docstring that the keywords' Args entries replace.
@@ -142,12 +142,26 @@ class Keywords:
     aux_rows: Any = dataclasses.field(
         default=None,
         metadata=_doc(
-            "with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold the "
-            "micro-batch's rows on axis 0 and are gathered over devices (``True``), "
-            "and which are statistics to average (``False``); a bool for all leaves, "
-            "or a pytree prefix of ``aux`` with bool leaves. Left ``None``, a leaf "
-            "that could be either (its leading size is the rows per device) raises "
-            "a ValueError naming it; the others are averaged."
+            'with ``has_aux`` and ``data_axes`` or ``aux_order="batch"``: which '
+            "``aux`` leaves hold the micro-batch's rows on axis 0, to gather over "
+            "devices and put in ``aux_order`` (``True``), and which are statistics "
+            "(``False``, averaged over devices, kept per micro-batch); a bool for "
+            "all leaves, or a pytree prefix of ``aux`` with bool leaves. Left "
+            "``None``, with ``data_axes`` a leaf that could be either (its leading "
+            "size is the rows per device) raises a ValueError naming it and the "
+            "others are averaged; in the global view a leaf whose leading size is "
+            "the micro-batch's is rows."
+        ),
+    )
+    aux_order: AuxOrder = dataclasses.field(
+        default="microbatch",
+        metadata=_doc(
+            "the row order of ``aux``'s row-wise leaves (see ``aux_rows``): "
+            '``"microbatch"`` (the default), stacked ``(k, B/k, ...)`` with '
+            'micro-batch ``i`` holding rows ``i, i+k, ...``; or ``"batch"``, '
+            "``(B, ...)`` in the batch's own row order, as ``fun`` on the whole "
+            "batch would return them (pair them with the batch's labels as they "
+            "are). Other leaves stay stacked per micro-batch."
         ),
     )
 
@@ -166,6 +180,7 @@ class StepKeywords(TypedDict, total=False):
     param_gather: str | None
     noise_scale_decay: float | None
     aux_rows: Any
+    aux_order: AuxOrder
     unroll: int | bool
 
 

@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .. import _sharding, _weights
+from . import _order
 from ._loop import Loop, scan
 from ._options import Context, Options
 
@@ -107,7 +108,12 @@ def device_local(
         axis_names=set(axes),
     )
     out = mapped(*(flat[i] for i in dyn))
-    return out._replace(aux=rows.join(out.aux)) if opts.has_aux else out
+    if not opts.has_aux:
+        return out
+    aux = rows.join(out.aux)
+    if opts.aux_in_batch_order:
+        aux = _order.in_batch_order(aux, rows.is_row, k, n_dev)
+    return out._replace(aux=aux)
 
 
 class _RowLeaves:

@@ -23,11 +23,19 @@ from .. import _sharding
 from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
 from .._typing import Unpack
+from . import _order
 from ._call import batch_size, note_unsplit
 from ._keywords import MicrobatchKeywords, takes_keywords
 from ._local import device_local
 from ._loop import Loop, scan
-from ._options import Context, Options, check_callable, check_no_nnx_modules, options
+from ._options import (
+    Context,
+    Options,
+    check_callable,
+    check_no_nnx_modules,
+    nnx_state_error,
+    options,
+)
 
 _RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 
@@ -59,9 +67,11 @@ def microbatch(
     with ``w_i = weight_fn(*microbatch_args)`` or 1. With the number of valid
     tokens as weight and a token-mean loss, the mean is the full-batch token
     mean exactly. ``aux`` comes back stacked along a new leading axis of length
-    ``k``. Every ``k`` has these semantics, ``k = 1`` included (weights,
-    reduction and all; one micro-batch runs as straight-line code, so it costs
-    what ``fun`` costs).
+    ``k``; with ``aux_order="batch"`` its row-wise leaves (per-example logits,
+    say) come back as ``(B, ...)`` in the batch's own row order, as ``fun`` on
+    the whole batch would return them. Every ``k`` has these semantics,
+    ``k = 1`` included (weights, reduction and all; one micro-batch runs as
+    straight-line code, so it costs what ``fun`` costs).
 
     **Weights** follow `accumulate`'s contract: a weight of 0 contributes
     nothing (even a NaN token mean), a NaN, infinite or negative weight
@@ -214,6 +224,9 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
             try:
                 out = _run(fun, opts, list(args), kwargs, state)
             except Exception as e:
+                refused = nnx_state_error(e)
+                if refused is not None:
+                    raise refused from e
                 note_unsplit(e, list(args), opts)
                 raise
         result = _pack(out, opts)
@@ -234,7 +247,17 @@ def _microbatched(fun: Callable[..., Any], opts: Options) -> Callable[..., Any]:
 
 def _run(fun, opts: Options, args: list, kwargs: dict, state: Any) -> Loop:
     """Where the loop runs: per device of ``axis_name`` (inside the user's
-    ``shard_map``/``pmap``), of ``data_axes``, or in the global view."""
+    ``shard_map``/``pmap``), of ``data_axes``, or in the global view; with
+    ``aux_order="batch"``, row-wise ``aux`` leaves in the batch's order."""
+    out = _where(fun, opts, args, kwargs, state)
+    if not (opts.has_aux and opts.aux_in_batch_order) or opts.data_axes is not None:
+        return out  # the device-local mode orders its own rows
+    rows = batch_size(args, opts) // opts.k
+    flags = _order.row_flags(out.aux, opts.aux_rows, rows)
+    return out._replace(aux=_order.in_batch_order(out.aux, flags, opts.k))
+
+
+def _where(fun, opts: Options, args: list, kwargs: dict, state: Any) -> Loop:
     size = batch_size(args, opts)
     if opts.axis_name is not None:
         # Invariant inputs would get their cotangents psum-ed inside `fun`.

@@ -25,6 +25,7 @@ from .._reduction import Mean, Sum
 from ._keywords import WeightFn, given
 
 PARAM_GATHER = ("per_microbatch", "once", None)
+AUX_ORDER = ("microbatch", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,12 @@ class Options:
     # library differentiates it w.r.t. these arguments; None: ``fun`` is a
     # value-and-grad function, used as given.
     argnums: int | tuple[int, ...] | None = None
-    # Which ``aux`` leaves hold the micro-batch's rows (device-local mode).
+    # Which ``aux`` leaves hold the micro-batch's rows (device-local mode,
+    # and ``aux_order="batch"``).
     aux_rows: Any = None
+    # Whether row-wise ``aux`` leaves come back in the batch's row order
+    # (``aux_order="batch"``) rather than stacked per micro-batch.
+    aux_in_batch_order: bool = False
     # Micro-batches per trip of the loop: an int >= 1 or a bool (`_loop.trips`).
     unroll: int | bool = 1
     # Whether the library differentiates ``fun`` (the loss face): fixed here,
@@ -105,7 +110,8 @@ def options(
         "num_microbatches",
         single=k == 1 and kw.axis_name is None,
     )
-    _check_aux_rows(kw.aux_rows, kw.has_aux, axes)
+    in_batch_order = _checks.one_of(kw.aux_order, "aux_order", AUX_ORDER) == "batch"
+    _check_aux_rows(kw.aux_rows, kw.has_aux, axes, in_batch_order)
     return Options(
         k=k,
         batch_idx=batch_idx,
@@ -121,6 +127,7 @@ def options(
         stateful=stateful,
         argnums=_loss_argnums(argnums, batch_idx, rng_idx),
         aux_rows=kw.aux_rows,
+        aux_in_batch_order=in_batch_order,
         unroll=_unroll(kw.unroll),
     )
 
@@ -143,15 +150,21 @@ def _loss_argnums(argnums: Any, batch_idx: tuple, rng_idx: tuple) -> Any:
     return argnums if isinstance(argnums, int) else idx
 
 
-def _check_aux_rows(aux_rows: Any, has_aux: bool, data_axes: Any) -> None:
-    """``aux_rows`` declares a device-local loop's row-wise ``aux`` leaves."""
+def _check_aux_rows(
+    aux_rows: Any, has_aux: bool, data_axes: Any, in_batch_order: bool
+) -> None:
+    """``aux_rows`` declares the row-wise ``aux`` leaves that a device-local
+    loop gathers over devices, or that ``aux_order="batch"`` reorders."""
     if aux_rows is None:
         return
-    if not has_aux or data_axes is None:
+    if not has_aux or (data_axes is None and not in_batch_order):
+        order = "batch" if in_batch_order else "microbatch"
         raise ValueError(
             "`aux_rows` says which `aux` leaves the device-local loop gathers "
-            "over devices; it needs `has_aux=True` and `data_axes`, got "
-            f"aux_rows={aux_rows!r}, has_aux={has_aux!r}, data_axes={data_axes!r}."
+            'over devices or `aux_order="batch"` reorders; it needs '
+            '`has_aux=True` and `data_axes` or `aux_order="batch"`, got '
+            f"aux_rows={aux_rows!r}, has_aux={has_aux!r}, data_axes={data_axes!r}, "
+            f"aux_order={order!r}."
         )
     for flag in jax.tree.leaves(aux_rows):
         if not isinstance(flag, bool):
@@ -243,6 +256,15 @@ def check_no_nnx_modules(args: Any) -> None:
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
+    is_rngs = lambda x: isinstance(x, nnx.Rngs | nnx.RngStream)
+    if any(is_rngs(x) for x in jax.tree.leaves(args, is_leaf=is_rngs)):
+        raise TypeError(
+            "`microbatch` got a flax.nnx Rngs as an argument; its counters are "
+            "state, not a batch to slice. Pass a PRNG key (e.g. "
+            "`rngs.dropout()`) and name it in `rng_argnums` (micro-batch i gets "
+            "`fold_in(key, i)`), or use optax_accum.flax.nnx_train_step, which "
+            "takes a call-time nnx.Rngs and threads its counters."
+        )
     is_module = lambda x: isinstance(x, nnx.Module)
     if any(is_module(x) for x in jax.tree.leaves(args, is_leaf=is_module)):
         raise TypeError(
@@ -252,3 +274,26 @@ def check_no_nnx_modules(args: Any) -> None:
             "which splits the model into arrays (and threads its state), or pass "
             "nnx.split(model)'s arrays to a function that merges them."
         )
+
+
+def nnx_state_error(error: Exception) -> Exception | None:
+    """A TypeError in `microbatch`'s name for Flax's ``TraceContextError``:
+    ``fun`` changed an nnx Variable made outside the loop (BatchNorm running
+    statistics in training mode, an Rngs counter), a change `microbatch`
+    cannot carry out of its scan. None for any other error."""
+    errors = sys.modules.get("flax.errors")
+    trace_error = getattr(errors, "TraceContextError", None)
+    if trace_error is None or not isinstance(error, trace_error):
+        return None
+    return TypeError(
+        "`microbatch`'s `fun` changed a flax.nnx Variable made outside its loop "
+        f"({error}): BatchNorm running statistics in training mode, or an "
+        "Rngs counter of a model merged from `nnx.split` arrays. `microbatch` "
+        "threads no model state through its micro-batches, and merging with "
+        "`nnx.merge(..., copy=True)` would drop every change silently. Use "
+        "optax_accum.flax.nnx_train_step(loss_fn, k), which threads BatchNorm "
+        "statistics and Rngs counters as k small steps would; or let the "
+        "optimizer accumulate (optax_accum.accumulate) with an ordinary step "
+        "per micro-batch; or run such layers without state (BatchNorm with "
+        "`use_running_average=True`, Dropout with a key in `rng_argnums`)."
+    )

@@ -49,6 +49,19 @@ def step_options(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {loss_fn!r}.")
     for name in _RESERVED:
+        if (
+            name == "rng_argnums"
+            and name in microbatch_kwargs
+            and helper == ("nnx_train_step")
+        ):
+            raise TypeError(
+                "nnx_train_step takes no `rng_argnums`: pass the `nnx.Rngs` "
+                "itself as an argument of the step, `step(model, optimizer, rngs, "
+                "*batch)` for `loss_fn(model, rngs, *batch)` (as the Flax NNX "
+                "tutorial does), or give the model's Dropout layers their own "
+                "`rngs=`; either way each micro-batch draws its own masks, as k "
+                "small steps would, and the Rngs' counters advance as over them."
+            )
         if name in microbatch_kwargs:
             raise TypeError(
                 f"`{name}` is set by {helper} itself; it takes `has_aux` as its "

@@ -106,3 +106,50 @@ def _per_device(state: Any, data_axes: Any) -> Any:
 def _keys_from(old: Any, new: Any) -> Any:
     """``new`` with ``old``'s PRNG keys: the folded keys stay in the trace."""
     return jax.tree.map(lambda o, n: o if _is_key(o) else n, old, new)
+
+
+class CallRngs:
+    """The step's call-time ``nnx.Rngs`` (or ``RngStream``) arguments, as the
+    Flax NNX tutorial passes them (``loss_fn(model, rngs, batch)``, its
+    Dropout layers holding no Rngs). They are no batch: their state (keys
+    and counters) is threaded from micro-batch to micro-batch, so that
+    micro-batch ``i`` draws what the ``i``-th of k small steps with the same
+    Rngs would, and their counters advance as over those k steps."""
+
+    def __init__(self, batch: tuple):
+        self.where = [j for j, a in enumerate(batch) if _is_rngs(a)]
+        self.objects = [batch[j] for j in self.where]
+        self.arrays = tuple(a for j, a in enumerate(batch) if j not in self.where)
+        split = [nnx.split(r) for r in self.objects]
+        self.graphdefs = [g for g, _ in split]
+        self.initial = tuple(nnx.as_pure(s) for _, s in split)
+
+    def merge(self, states: tuple, data_axes: Any) -> list:
+        """Fresh Rngs inside the trace (on ``data_axes``' devices, with
+        keys folded with the device index, as the model's)."""
+        return [
+            nnx.merge(g, _per_device(s, data_axes), copy=True)
+            for g, s in zip(self.graphdefs, states, strict=True)
+        ]
+
+    def batch(self, arrays: tuple, rngs: list) -> list:
+        """``loss_fn``'s batch arguments: the arrays with the Rngs in place."""
+        full, it, r = [], iter(arrays), iter(rngs)
+        for j in range(len(arrays) + len(rngs)):
+            full.append(next(r) if j in self.where else next(it))
+        return full
+
+    def state(self, old: tuple, rngs: list) -> tuple:
+        """The Rngs' state after ``loss_fn``; keys as they came in."""
+        return tuple(
+            _keys_from(o, nnx.as_pure(nnx.state(r)))
+            for o, r in zip(old, rngs, strict=True)
+        )
+
+    def update(self, states: tuple) -> None:
+        for r, s in zip(self.objects, states, strict=True):
+            nnx.update(r, s)
+
+
+def _is_rngs(x: Any) -> bool:
+    return isinstance(x, nnx.Rngs | nnx.RngStream)

@@ -64,7 +64,15 @@ def nnx_train_step(
     with the model's PRNG keys folded with ``d``
     (``jax.random.fold_in(key, d)``, ``d`` the index over the named axes), so
     devices draw their own masks; the model's keys stay as they were and its
-    counters advance once per micro-batch. BatchNorm: each micro-batch is
+    counters advance once per micro-batch. Call-time Rngs, as in the Flax
+    NNX tutorial (``loss_fn(model, rngs, batch)`` calling
+    ``model(x, rngs)``, whose Dropout layers hold no Rngs): pass the
+    ``nnx.Rngs`` (or an ``RngStream``) as a step argument,
+    ``step(model, optimizer, rngs, batch)``; it is no batch, it reaches
+    ``loss_fn`` where it was given, and its state is threaded through the
+    micro-batches as the model's is, so micro-batch ``i`` draws what the
+    ``i``-th of k small steps with that Rngs would and its counters advance
+    as over those k steps. BatchNorm: each micro-batch is
     normalized with its own batch statistics and the running averages are
     updated micro-batch by micro-batch, in order (k momentum steps per
     optimizer step).
@@ -81,7 +89,10 @@ def nnx_train_step(
       loss_fn: ``loss_fn(model, *batch) -> loss`` or ``(loss, aux)``.
       num_microbatches: k, as in `optax_accum.microbatch`.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back
-        stacked along a leading axis of length k.
+        stacked along a leading axis of length k (micro-batch ``i``: rows
+        ``i::k``), or with ``aux_order="batch"`` its row-wise leaves (the
+        logits) as ``(B, ...)`` in the batch's order, ready for
+        ``metrics.update(logits=aux, labels=batch["label"])``.
       loss_scaling: fp16 dynamic loss scaling: the step then takes
         ``loss_scale=`` (e.g. a ``jmp.DynamicLossScale``), scales each
         micro-batch's loss by it and unscales the gradients
@@ -92,10 +103,11 @@ def nnx_train_step(
         step.
       **microbatch_kwargs: ``reduction``, ``weight_fn`` (called with the
         micro-batch arguments), ``accumulator_dtype``, ``axis_name`` or
-        ``data_axes``, ``aux_rows``, ``noise_scale_decay``, passed to
-        `optax_accum.microbatch_value_and_grad`. ``aux_rows`` declares
-        ``aux``'s row-wise leaves; a bool covers the sown intermediates too,
-        a pytree covers ``aux`` and leaves the sown ones statistics.
+        ``data_axes``, ``aux_rows``, ``aux_order``, ``noise_scale_decay``,
+        passed to `optax_accum.microbatch_value_and_grad`. ``aux_rows``
+        declares ``aux``'s row-wise leaves; a bool covers the sown
+        intermediates too, a pytree covers ``aux`` and leaves the sown ones
+        statistics. ``aux_order`` orders the sown row-wise leaves as ``aux``.
 
     Returns:
       ``step(model, optimizer, *batch) -> loss`` (or ``(loss, aux)``), which
@@ -133,27 +145,38 @@ def nnx_train_step(
         check_loss_scale(loss_scaling, loss_scale, "nnx_train_step")
         _nnx.check_arguments(model, optimizer)
         parts = _nnx.split(model, optimizer.wrt)
+        # Call-time nnx.Rngs arguments leave the batch; their state is
+        # threaded through the micro-batches as the model's is.
+        call_rngs = _nnx.CallRngs(batch)
 
-        def loss(trained, frozen, *batch, state):
-            call = lambda m: loss_fn(m, *batch)
+        def loss(trained, frozen, *arrays, state):
+            model_state, rng_state = state
+            rngs = call_rngs.merge(rng_state, opts.data_axes)
+            call = lambda m: loss_fn(m, *call_rngs.batch(arrays, rngs))
             out, sown, new_state = _nnx.run(
-                parts, trained, frozen, state, call, opts.data_axes
+                parts, trained, frozen, model_state, call, opts.data_axes
             )
             value, aux = out if has_aux else (out, None)
-            return (value, (aux, sown)), new_state
+            return (value, (aux, sown)), (new_state, call_rngs.state(rng_state, rngs))
 
+        arrays = call_rngs.arrays
         mb = fused_loop(
             loss,
             loss_scale,
             num_microbatches,
-            range(2, len(batch) + 2),
+            range(2, len(arrays) + 2),
             (),
             microbatch_kwargs,
         )
         tracker = {"noise_scale": noise_scale} if noise else {}
-        out = mb(parts.trained, parts.frozen, *batch, state=parts.state, **tracker)
+        state = (parts.state, call_rngs.initial)
+        out = mb(parts.trained, parts.frozen, *arrays, state=state, **tracker)
         loss, (aux, sown), grads, new_state, tracker, scaled = split_output(out, noise)
+        new_state, rng_state = new_state
         _nnx_update(model, optimizer, grads, new_state, loss, scaled, opt_kwargs)
+        if scaled is not None:
+            rng_state = keep_unless(scaled.finite, rng_state, call_rngs.initial)
+        call_rngs.update(rng_state)
         nnx.update(model, sown)
         result = (loss, aux) if has_aux else loss
         more = extras(tracker, scaled, noise)

@@ -23,6 +23,7 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
+import optax_accum  # noqa: E402
 from optax_accum.flax import linen_train_step, nnx_train_step  # noqa: E402
 
 K = 4
@@ -92,11 +93,20 @@ def test_nnx_step_equals_explicit_loop():
         optimizer.update(model, mean)
         return sum(losses) / K
 
-    for _ in range(2):
+    steps = 2
+    for _ in range(steps):
         loss = step(model, optimizer, x, y)
         ref_loss = ref_step(ref_model, ref_optimizer, x, y)
         _close(loss, ref_loss)
-    _close(nnx.state(model), nnx.state(ref_model))
+    # `l1.bias` feeds a BatchNorm, so its exact gradient is 0: Adam turns the
+    # float32 rounding of either side into steps of up to the learning rate
+    # (issue 33, section 4). That leaf gets a tolerance scaled to lr * steps;
+    # every other leaf is held to the usual fp32 tolerance.
+    state, ref_state = nnx.state(model), nnx.state(ref_model)
+    bias, ref_bias = state["l1"]["bias"][...], ref_state["l1"]["bias"][...]
+    np.testing.assert_allclose(bias, ref_bias, rtol=0, atol=1e-2 * steps)
+    state["l1"]["bias"][...] = ref_bias
+    _close(state, ref_state)
     # BatchNorm running stats moved k times per step (momentum 0.9, 2 steps).
     assert not np.allclose(model.bn.mean[...], 0.0)
     assert int(model.drop.rngs.count[...]) == 2 * K
@@ -334,3 +344,155 @@ def test_flax_helpers_validate_at_construction(k, error, match):
         nnx_train_step(loss, 2, reduction="avg")
     with pytest.raises(TypeError, match="`batch_argnums` is set by nnx_train_step"):
         nnx_train_step(loss, 2, batch_argnums=1)
+
+
+# ------------------------------------------------ aux in the batch's row order
+
+
+def _tutorial_loss(model, batch):
+    # The Flax NNX MNIST tutorial's loss_fn: it returns the logits as aux.
+    logits = model(batch["image"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return loss.mean(), logits
+
+
+def test_nnx_aux_order_batch_feeds_the_tutorials_metrics_line():
+    x, y = _data(24)
+    batch = {"image": x, "label": y}
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    want_logits = model(x)  # the plain per-row output, before the update
+    want = nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    want.update(loss=_tutorial_loss(model, batch)[0], logits=want_logits, labels=y)
+
+    step = nnx.jit(nnx_train_step(_tutorial_loss, K, has_aux=True, aux_order="batch"))
+    loss, logits = step(model, optimizer, batch)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
+    metrics = nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])  # as written
+    _close(metrics.compute(), want.compute())
+    # The default stays stacked per micro-batch, rows i::k.
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    _, stacked = nnx.jit(nnx_train_step(_tutorial_loss, K, has_aux=True))(
+        model, optimizer, batch
+    )
+    assert stacked.shape == (K, 24 // K, 2)
+    _close(stacked.swapaxes(0, 1).reshape(24, 2), want_logits)
+
+
+def test_linen_aux_order_batch_equals_the_whole_batch_logits():
+    x, y = _data(24)
+    state = _plain_state(optax.sgd(0.1))
+
+    def loss_fn(params, rng, x, y):
+        logits = state.apply_fn({"params": params}, x)
+        return jnp.mean((logits[:, 0] - y.astype(jnp.float32)) ** 2), logits
+
+    step = jax.jit(linen_train_step(loss_fn, K, has_aux=True, aux_order="batch"))
+    _, (_, logits) = step(state, x, y)
+    want = state.apply_fn({"params": state.params}, x)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------- call-time Rngs, as the tutorial has
+
+
+class _CallRngsNet(nnx.Module):
+    # As the Flax NNX MNIST tutorial's CNN: Dropout holds no Rngs, the model
+    # takes them at call time.
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(3, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x, rngs):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
+
+
+def _rngs_loss(model, rngs, batch):
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return loss.mean(), logits
+
+
+def _rngs_setup():
+    model = _CallRngsNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer, nnx.Rngs(dropout=5)
+
+
+def test_nnx_step_takes_call_time_rngs_as_k_small_steps_would():
+    x, y = _data()
+    batch = {"image": x, "label": y}
+    model, optimizer, rngs = _rngs_setup()
+    step = nnx.jit(nnx_train_step(_rngs_loss, K, has_aux=True))
+    ref_model, ref_optimizer, ref_rngs = _rngs_setup()
+
+    @nnx.jit
+    def ref_step(model, optimizer, rngs, batch):
+        # K plain nnx steps' forward passes with the same Rngs, one update.
+        grad_fn = nnx.value_and_grad(_rngs_loss, has_aux=True)
+        losses, grads = [], []
+        for i in range(K):
+            (loss, _), g = grad_fn(
+                model, rngs, jax.tree.map(lambda a, i=i: a[i::K], batch)
+            )
+            losses.append(loss)
+            grads.append(g)
+        optimizer.update(model, jax.tree.map(lambda *g: sum(g) / K, *grads))
+        return sum(losses) / K
+
+    for n in (1, 2):
+        loss, _ = step(model, optimizer, rngs, batch)
+        _close(loss, ref_step(ref_model, ref_optimizer, ref_rngs, batch))
+        # The counter advanced as over K plain steps: one draw a micro-batch.
+        assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...])
+        assert int(rngs.dropout.count[...]) == n * K
+    _close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+
+
+def test_nnx_step_refuses_rng_argnums_saying_what_to_pass():
+    with pytest.raises(TypeError, match=r"no `rng_argnums`.*nnx\.Rngs.*step\(model"):
+        nnx_train_step(_rngs_loss, K, rng_argnums=1)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Using 'Module.sow\\(\\)' outside of 'nnx.capture\\(\\)'"
+)
+def test_nnx_aux_order_batch_orders_sown_rows_as_aux():
+    class Sowing(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(3, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.l(x)
+            self.sow(nnx.Intermediate, "h", h)
+            return h
+
+    def loss_fn(model, x):
+        h = model(x)
+        return jnp.mean(h**2), h
+
+    model = Sowing(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x = _data(24)[0]
+    want = model.l(x)
+    step = nnx.jit(nnx_train_step(loss_fn, K, has_aux=True, aux_order="batch"))
+    _, aux = step(model, optimizer, x)
+    (sown,) = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))
+    _close(aux, want)
+    _close(sown, want)
+
+
+def test_microbatch_refuses_an_nnx_rngs_saying_what_to_pass():
+    # Before: "batch argument 1 has a scalar leaf at .default.count.value".
+    grad_fn = optax_accum.microbatch(
+        jax.value_and_grad(lambda w, rngs, x: jnp.mean(x * w)), 2, batch_argnums=2
+    )
+    with pytest.raises(TypeError, match=r"nnx Rngs.*`rng_argnums`.*nnx_train_step"):
+        grad_fn(jnp.float32(1.0), nnx.Rngs(0), jnp.ones(4))
