@@ -10,13 +10,14 @@ backticks and says what would be accepted.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .. import _checks, _dtypes, _reduction, _sharding
+from .. import _checks, _dtypes, _reduction, _sharding, _weights
 from . import _schedule as sched
 from ._step import Pipeline
 
@@ -33,6 +34,12 @@ def options(pipe: Pipeline) -> Pipeline:
         )
     # The stage count is the mesh's; 1 stands in until the call.
     sched.check_schedule(pipe.schedule, 1, pipe.num_microbatches, pipe.repeats)
+    if pipe.schedule == "interleaved_1f1b" and pipe.repeats == 1:
+        raise ValueError(
+            "`schedule='interleaved_1f1b'` needs `repeats` >= 2 (stages per "
+            "device), got `repeats`=1: with one stage per device it is 1F1B; "
+            "pass `schedule='1f1b'`, or `repeats=2` or more."
+        )
     data_axes = _checks.axis_names(pipe.data_axes, "data_axes")
     if data_axes is not None and pipe.stage_axis in data_axes:
         raise ValueError(
@@ -43,11 +50,47 @@ def options(pipe: Pipeline) -> Pipeline:
     return Pipeline(
         **{
             **pipe.__dict__,
+            "weight_fn": _real_weights(pipe.weight_fn),
             "reduction": _reduction.get(pipe.reduction),
             "accumulator_dtype": policy,
             "data_axes": data_axes,
         }
     )
+
+
+def _real_weights(weight_fn: Any) -> Any:
+    """``weight_fn``, refusing what a cast to the weight dtype would change:
+    a complex weight (its imaginary part), or a non-number, as the loss
+    face refuses them (`_weights.from_fn`)."""
+    if weight_fn is None:
+        return None
+
+    @functools.wraps(weight_fn)
+    def checked(mb):
+        w = weight_fn(mb)
+        _weights.from_fn(w, jnp.float32)  # raises; the caller casts
+        return w
+
+    return checked
+
+
+def loss_pair(out: Any, has_aux: bool) -> tuple:
+    """``(loss, aux)`` from what ``loss_fn`` returned (``aux`` None without
+    ``has_aux``): with ``has_aux`` it must return a pair."""
+    if not has_aux:
+        return out
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        got = (
+            f"{type(out).__name__} of length {len(out)}"
+            if isinstance(out, tuple | list)
+            else f"one {getattr(out, 'dtype', type(out).__name__)} array of "
+            f"shape {getattr(out, 'shape', '()')}"
+        )
+        raise TypeError(
+            "with `has_aux=True` the `loss_fn` must return (loss, aux), got "
+            f"{got}; pass `has_aux=False` for a loss alone."
+        )
+    return tuple(out)
 
 
 def _stages(pipe: Pipeline) -> int:

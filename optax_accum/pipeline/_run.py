@@ -139,8 +139,11 @@ def _shapes(pipe: Pipeline, fp, sp, lp, views, data_axes, rng):
     out = jax.eval_shape(lambda s, x, k: call_stage(pipe, s, x, k, 0, 0), sp0, h, rng)
     _checks.stage_output(h, out)
     loss, aux = jax.eval_shape(
-        lambda lp, y, mb, k: call_loss(pipe, lp, y, mb, k, 0, 0), lp, h, mb, rng
-    )
+        lambda lp, y, mb, k: _checks.loss_pair(
+            call_loss(pipe, lp, y, mb, k, 0, 0), pipe.has_aux
+        ),
+        lp, h, mb, rng,
+    )  # fmt: skip
     _checks.loss_output(loss)
     rows_here = jax.tree.leaves(mb)[0].shape[0]
     return h, loss, aux, rows_here

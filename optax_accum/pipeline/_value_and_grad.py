@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from .._microbatch import WeightFn
 from . import _checks, _run
 from ._schedule import Op as Op
@@ -47,7 +49,9 @@ def value_and_grad(
     `microbatch_value_and_grad`), gradient sums in the accumulator dtype, and
     idle slots that run neither ``stage_fn`` nor ``loss_fn``. The gradients
     have the structure, dtypes and shardings of the parameters (replicated
-    where a parameter is placed nowhere), so they feed `accumulate` and
+    where a parameter is placed nowhere; under ``jax.jit`` on an Auto mesh
+    the compiler places them, and ``out_shardings`` pins them), so they feed
+    `accumulate` and
     ``optax.MultiSteps``; the loss comes back in ``loss_fn``'s dtype.
 
     Args:
@@ -61,8 +65,9 @@ def value_and_grad(
         batch, as in `optax_accum.microbatch`.
       schedule: ``"gpipe"``, ``"circular"`` (needs M a multiple of S),
         ``"1f1b"`` (activations O(S), flat in M), ``"interleaved_1f1b"``
-        (needs M a multiple of S; activations O(S · repeats), flat in M,
-        with circular's time bubble) or ``"zb_h1"`` (zero-bubble ZB-H1: the
+        (needs M a multiple of S and ``repeats`` >= 2; activations
+        O(S · repeats), flat in M, with circular's time bubble) or
+        ``"zb_h1"`` (zero-bubble ZB-H1: the
         backward split into an input gradient and a deferred weight
         gradient; activations O(S), flat in M).
       repeats: stages per device, for ``"circular"`` and
@@ -101,14 +106,17 @@ def value_and_grad(
 
     Raises:
       ValueError: an unknown ``schedule``, ``repeats > 1`` with another
-        schedule, M not a multiple of S for ``"circular"`` or
+        schedule, ``"interleaved_1f1b"`` with ``repeats=1`` (that is
+        ``"1f1b"``), M not a multiple of S for ``"circular"`` or
         ``"interleaved_1f1b"``; at the call, a
         mesh without ``stage_axis``, ``stage_params`` not stacked by
         ``S · repeats``, a batch size not divisible by M times the data
-        shards, a ``stage_fn`` that changes ``h``'s shape or dtype, a
-        non-scalar loss or weight, or ``rng`` with a ``stage_fn`` or
-        ``loss_fn`` that does not take a key.
-      TypeError: an integer parameter leaf, or an integer loss.
+        shards, a ``stage_fn`` that changes ``h``'s shape or dtype, or a
+        non-scalar loss or weight.
+      TypeError: an integer parameter leaf, an integer loss, a complex (or
+        non-numeric) weight from ``weight_fn``, a ``loss_fn`` that returns
+        no ``(loss, aux)`` pair with ``has_aux``, or ``rng`` with a
+        ``stage_fn`` or ``loss_fn`` that does not take a key.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -151,6 +159,31 @@ def value_and_grad(
     pipe = _checks.options(pipe)
 
     def vg(params: Any, batch: Any, rng: Any = None):
-        return _run.call(pipe, params, batch, rng)
+        out = _run.call(pipe, params, batch, rng)
+        value, grads = out
+        return value, _placed_like(grads, params)
 
     return vg
+
+
+def _placed_like(grads: Any, params: Any) -> Any:
+    """Gradients placed as their parameters are, where a parameter is a
+    concrete array (a call outside ``jit``): on an Auto mesh the program's
+    output placement is the compiler's choice, and a gradient reduced over
+    the data axes comes back replicated. Under ``jit`` the parameters are
+    tracers that carry no Auto placement; ``jit``'s ``out_shardings`` pins
+    it there."""
+
+    def like(g, p):
+        if isinstance(p, jax.core.Tracer) or not isinstance(p, jax.Array):
+            return g
+        if isinstance(p.sharding, jax.sharding.NamedSharding) and (
+            g.sharding != p.sharding
+        ):
+            return jax.device_put(g, p.sharding)
+        return g
+
+    try:
+        return jax.tree.map(like, grads, params)
+    except ValueError:  # a structure `_run` already refused
+        return grads
