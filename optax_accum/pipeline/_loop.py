@@ -338,7 +338,9 @@ def _dispatch(ctx: Local, split: bool, slot: _Slot):
                     keys.append(key)
                 variants[op, r, int(first), int(last), int(frozen)] = keys.index(key)
         leaves = [slot.branch(op, *key) for key in keys]
-        branches[op] = _switch(leaves)
+        # None: no device runs this op alone (S = 1: the one stage is also
+        # the last, whose forward is its backward's); `run` makes it idle.
+        branches[op] = _switch(leaves) if leaves else None
     return branches, variants
 
 

@@ -208,3 +208,28 @@ def test_per_leaf_accumulator_dtype(schedule, repeats):
     with pytest.raises(ValueError, match="`accumulator_dtype` is not a prefix"):
         te.pipelined(te.stage_mesh(4), params, batch, 4,
                      accumulator_dtype=({"v": None}, None, None), **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize(("schedule", "repeats"), SCHEDULES)
+def test_one_stage_device_equals_the_sequential_model(schedule, repeats):
+    # S = 1 (one accelerator): the one stage is also the last, whose forward
+    # is its backward's, so no variant of the forward op exists; the runner
+    # gave `lax.switch` an empty branch list ("Empty branch sequence").
+    mesh = jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1])
+    params, batch = md.make(repeats, rows=ROWS * 4, width=WIDTH)
+    with jax.set_mesh(mesh):
+        fp, sp, lp = params
+        params = (fp, jax.device_put(sp, NamedSharding(mesh, P("stage"))), lp)
+        vg = pl.value_and_grad(
+            md.first_fn, md.stage_fn, md.loss_fn, 4,
+            schedule=schedule, repeats=repeats,
+        )  # fmt: skip
+        loss, grads = jax.jit(vg)(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(md.sequential)(
+        jax.device_get(params), batch
+    )
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for ours, theirs in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
