@@ -97,7 +97,7 @@ def _titles(cfg: dict[str, Any]) -> dict[str, str]:
     a, m = cfg["accumulate"]["config"], cfg["microbatch"]["config"]
     mm, tt = cfg["memory_map"]["args"], cfg["time_per_token"]["args"]
     oh, preset = cfg["overhead"]["args"], cfg["transformer"]["preset"]
-    of = cfg["offload"]["args"]
+    of, pp = cfg["offload"]["args"], cfg["pipeline"]["config"]
     return {
         "accumulate": f"`accumulate` vs `optax.MultiSteps`: {a['depth']}x"
         f"{a['width']} MLP, micro-batch {a['micro']}, k={a['k']}, Adam, 1 device",
@@ -114,6 +114,9 @@ def _titles(cfg: dict[str, Any]) -> dict[str, str]:
         "offload": f"Offload: AdamW's state in host memory, {preset}, "
         f"{of['dtype']}, fused step and `accumulate` at "
         f"k={'/'.join(map(str, of['ks']))}, with and without",
+        "pipeline": "Pipeline machinery at S = 1: every schedule against plain "
+        f"`jax.value_and_grad` over the same micro-batches, width {pp['width']}, "
+        f"M={pp['m']}",
     }
 
 
@@ -121,6 +124,7 @@ def sections(ctx: Context) -> list[Section]:
     """The device run, in order."""
     import bench_accumulate as ba
     import bench_microbatch as bm
+    import pipeline_device as pd
     from transformer import largest_batch, memory_map, offload, time_per_token
 
     cfg, title = ctx.cfg, _titles(ctx.cfg)
@@ -159,6 +163,10 @@ def sections(ctx: Context) -> list[Section]:
                 ctx.bench(), **ctx.common("offload"), deadline=deadline
             ),
             offload.markdown,
+        ),
+        "pipeline": (
+            lambda _: pd.measure(cfg["pipeline"]["config"], log=ctx.log),
+            pd.markdown,
         ),
     }  # fmt: skip
     return [

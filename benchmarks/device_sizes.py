@@ -88,6 +88,12 @@ DEVICE: dict[str, Any] = {
         },
         "estimate_s": 110,
     },
+    # Five schedules at S = 1, two compiles each (seconds at this width), 7
+    # interleaved rounds of steps of a few milliseconds.
+    "pipeline": {
+        "config": {"width": 1024, "rows": 64, "m": 8, "rounds": 7},
+        "estimate_s": 40,
+    },
 }
 
 # The same code paths on the CPU, on sizes that take seconds.
@@ -148,6 +154,10 @@ SMOKE: dict[str, Any] = {
             "micro": 2,
             "rounds": 2,
         },
+        "estimate_s": 10,
+    },
+    "pipeline": {
+        "config": {"width": 16, "rows": 2, "m": 4, "rounds": 2},
         "estimate_s": 10,
     },
 }

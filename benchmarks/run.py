@@ -226,7 +226,7 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAMES",
         help="with --device: only these sections, comma-separated (accumulate, "
-        "microbatch, memory_map, time_per_token, overhead, offload)",
+        "microbatch, memory_map, time_per_token, overhead, offload, pipeline)",
     )
     parser.add_argument(
         "--threads",

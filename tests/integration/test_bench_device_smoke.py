@@ -30,6 +30,7 @@ SECTIONS = [
     "time_per_token",
     "overhead",
     "offload",
+    "pipeline",
 ]
 # Per section: what every row must have, not None.
 REQUIRED = {
@@ -50,6 +51,7 @@ REQUIRED = {
         "saved_bytes_per_param",
         "time_vs_no_offload",
     ],
+    "pipeline": ["time_vs_plain", "temp_bytes", "plain_temp_bytes", "peak_bytes"],
 }
 
 
