@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -102,3 +103,140 @@ def pipeline_free(mesh, num_microbatches: int, axis: str = "stage"):
 def sequential():
     """``jax.value_and_grad`` of the sequential model on the whole batch."""
     return jax.value_and_grad(md.sequential)
+
+
+def _one_f_one_b_cells(stages: int, m: int):
+    """Per (tick, device): the branch index, micro-batch, slot, and the slots
+    where the messages that arrive this tick go (-1: none). Slots are
+    ``m % K``, K = 2S, checked free against the table."""
+    from optax_accum import pipeline as pl
+
+    table = pl.schedule_table("1f1b", stages, m)
+    op, mb = table.op, table.microbatch
+    k = 2 * stages
+    ticks = op.shape[0]
+    role = np.array([0] + [1] * (stages - 2) + [2])  # first, middle, last
+    # Branches: 0 idle, 1 F first, 2 F (middle, last), 3 B first, 4 B middle,
+    # 5 B last.
+    branch = np.zeros_like(op)
+    for t in range(ticks):
+        for s in range(stages):
+            if op[t, s] == 1:
+                branch[t, s] = 1 if role[s] == 0 else 2
+            elif op[t, s] == 2:
+                branch[t, s] = 3 + role[s]
+    in_x = np.full_like(op, -1)
+    in_g = np.full_like(op, -1)
+    for t in range(1, ticks):
+        for s in range(stages):
+            if s > 0 and op[t - 1, s - 1] == 1:
+                in_x[t, s] = mb[t - 1, s - 1] % k
+            if s < stages - 1 and op[t - 1, s + 1] == 2:
+                in_g[t, s] = mb[t - 1, s + 1] % k
+    # A slot is free when a value arrives: its previous micro-batch j - K
+    # has run its backward on this device.
+    for s in range(stages):
+        done = {int(mb[t, s]): t for t in range(ticks) if op[t, s] == 2}
+        for t in range(ticks):
+            for src, sop in ((s - 1, 1), (s + 1, 2)):
+                if 0 <= src < stages and t and op[t - 1, src] == sop:
+                    j = int(mb[t - 1, src])
+                    if j >= k and done[j - k] >= t:
+                        raise AssertionError("1F1B floor: a slot reused too early.")
+    return [np.asarray(a, np.int32) for a in (branch, np.maximum(mb, 0), in_x, in_g)], k
+
+
+def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage"):
+    """``vg(params, batch) -> (loss, grads)``: 1F1B by hand on ``axis``: one
+    ``lax.switch`` per tick (the op and the device's role), a backward
+    recomputed under one ``jax.vjp`` from the kept stage input."""
+    stages = mesh.shape[axis]
+    m = num_microbatches
+    cells, k = _one_f_one_b_cells(stages, m)
+    fwd = [(i, (i + 1) % stages) for i in range(stages)]
+    bwd = [(i, (i - 1) % stages) for i in range(stages)]
+
+    def local(fp, sp, lp, batch):
+        s = lax.axis_index(axis)
+        sp = jax.tree.map(lambda v: v[0], sp)
+        mbs = _microbatches(batch, m)
+        branch, mb_of, in_x, in_g = (jnp.asarray(c) for c in cells)
+        h = jax.eval_shape(md.first_fn, fp, jax.tree.map(lambda v: v[0], mbs))
+
+        def var(x):
+            if axis in jax.typeof(x).mat.varying:
+                return x
+            return lax.pcast(x, axis, to="varying")
+
+        # Per-device cotangents (no psum inside a branch): one psum at the end.
+        fp, lp = jax.tree.map(var, (fp, lp))
+        zeros = jax.tree.map(lambda v: var(jnp.zeros_like(v)), (fp, sp, lp))
+        nil = var(jnp.zeros(h.shape, h.dtype))
+        no_loss = var(jnp.zeros((), h.dtype))
+
+        def idle(x, g, mb):
+            return nil, nil, zeros, no_loss
+
+        def f_first(x, g, mb):
+            return md.stage_fn(sp, md.first_fn(fp, mb)), nil, zeros, no_loss
+
+        def f_mid(x, g, mb):
+            return md.stage_fn(sp, x), nil, zeros, no_loss
+
+        def b_first(x, g, mb):
+            def f(fp, sp):
+                return md.stage_fn(sp, md.first_fn(fp, mb))
+
+            gf, gs = jax.vjp(f, fp, sp)[1](g)
+            return nil, nil, (gf, gs, zeros[2]), no_loss
+
+        def b_mid(x, g, mb):
+            gs, gx = jax.vjp(md.stage_fn, sp, x)[1](g)
+            return nil, gx, (zeros[0], gs, zeros[2]), no_loss
+
+        def b_last(x, g, mb):
+            def f(sp, lp, x):
+                return md.loss_fn(lp, md.stage_fn(sp, x), mb) / m
+
+            loss, vjp = jax.vjp(f, sp, lp, x)
+            gs, gl, gx = vjp(jnp.ones_like(loss))
+            return nil, gx, (zeros[0], gs, gl), loss
+
+        branches = [idle, f_first, f_mid, b_first, b_mid, b_last]
+
+        def tick(carry, t):
+            xs, gs, f_msg, b_msg, grads, loss = carry
+            ix, ig = in_x[t, s], in_g[t, s]
+            xs = xs.at[jnp.maximum(ix, 0)].set(
+                jnp.where(ix >= 0, f_msg, xs[jnp.maximum(ix, 0)])
+            )
+            gs = gs.at[jnp.maximum(ig, 0)].set(
+                jnp.where(ig >= 0, b_msg, gs[jnp.maximum(ig, 0)])
+            )
+            j = mb_of[t, s]
+            mb = jax.tree.map(lambda v: v[j], mbs)
+            y, gx, d, dl = lax.switch(branch[t, s], branches, xs[j % k], gs[j % k], mb)
+            grads = jax.tree.map(jnp.add, grads, d)
+            f_msg = lax.ppermute(y, axis, fwd)
+            b_msg = lax.ppermute(gx, axis, bwd)
+            return (xs, gs, f_msg, b_msg, grads, loss + dl), None
+
+        buf = var(jnp.zeros((k, *h.shape), h.dtype))
+        init = (buf, buf, nil, nil, zeros, var(jnp.zeros((), h.dtype)))
+        ticks = cells[0].shape[0]
+        (_, _, _, _, (gf, gs, gl), loss), _ = lax.scan(tick, init, jnp.arange(ticks))
+        gs = jax.tree.map(lambda v: v[None], gs)
+        return lax.psum(loss, axis), (lax.psum(gf, axis), gs, lax.psum(gl, axis))
+
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(axis), P(), P()),
+        out_specs=(P(), (P(), P(axis), P())),
+    )
+
+    def vg(params, batch):
+        fp, sp, lp = params
+        return run(fp, jax.reshard(sp, P(axis)), lp, batch)
+
+    return vg
