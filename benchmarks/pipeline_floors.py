@@ -240,3 +240,154 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage"):
         return run(fp, jax.reshard(sp, P(axis)), lp, batch)
 
     return vg
+
+
+def _zb_cells(stages: int, m: int):
+    """ZB-H1's table as (branch, micro-batch, x arrival slot, g arrival
+    slot); slots ``m % K``, K = 3S, checked free (a value waits from its
+    arrival to its W)."""
+    from optax_accum import pipeline as pl
+
+    table = pl.schedule_table("zb_h1", stages, m)
+    op, mb = table.op, table.microbatch
+    k, ticks = 3 * stages, op.shape[0]
+    role = [0] + [1] * (stages - 2) + [2]
+    # 0 idle, 1 F first, 2 F, 3 B first, 4 B middle, 5 B last, 6 W.
+    branch = np.zeros_like(op)
+    branch[op == 1] = 2
+    branch[:, 0][op[:, 0] == 1] = 1
+    branch[op == 4] = 6
+    for s in range(stages):
+        branch[:, s][op[:, s] == 3] = 3 + role[s]
+    in_x, in_g = np.full_like(op, -1), np.full_like(op, -1)
+    for t in range(1, ticks):
+        for s in range(stages):
+            if s > 0 and op[t - 1, s - 1] == 1:
+                in_x[t, s] = mb[t - 1, s - 1] % k
+            if s < stages - 1 and op[t - 1, s + 1] == 3:
+                in_g[t, s] = mb[t - 1, s + 1] % k
+    for s in range(stages):
+        w_at = {int(mb[t, s]): t for t in range(ticks) if op[t, s] == 4}
+        start = {int(mb[t, s]): t for t in range(ticks) if op[t, s] == 1}
+        for t in range(1, ticks):
+            if s > 0 and op[t - 1, s - 1] == 1:
+                start[int(mb[t - 1, s - 1])] = t
+        for j, t in start.items():
+            if j >= k and w_at[j - k] >= t:
+                raise AssertionError("ZB-H1 floor: a slot reused too early.")
+    return [np.asarray(a, np.int32) for a in (branch, np.maximum(mb, 0), in_x, in_g)], k
+
+
+def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
+    """``vg(params, batch) -> (loss, grads)``: ZB-H1 by hand for the tests'
+    residual stage ``h + tanh(h W + b)``. F keeps ``t = tanh(h W + b)``;
+    B computes only ``u = g (1 - t²)`` and the input cotangent ``g + u Wᵀ``
+    and keeps ``u``; W computes ``hᵀ u`` and ``Σ u`` from the kept ``h``
+    and ``u``: one matmul each, no recomputed forward."""
+    stages = mesh.shape[axis]
+    m = num_microbatches
+    cells, k = _zb_cells(stages, m)
+    fwd = [(i, (i + 1) % stages) for i in range(stages)]
+    bwd = [(i, (i - 1) % stages) for i in range(stages)]
+
+    def local(fp, sp, lp, batch):
+        s = lax.axis_index(axis)
+        sp = jax.tree.map(lambda v: v[0], sp)
+        mbs = _microbatches(batch, m)
+        branch, mb_of, in_x, in_g = (jnp.asarray(c) for c in cells)
+        h = jax.eval_shape(md.first_fn, fp, jax.tree.map(lambda v: v[0], mbs))
+
+        def var(x):
+            if axis in jax.typeof(x).mat.varying:
+                return x
+            return lax.pcast(x, axis, to="varying")
+
+        fp, lp = jax.tree.map(var, (fp, lp))
+        zeros = jax.tree.map(lambda v: var(jnp.zeros_like(v)), (fp, sp, lp))
+        nil = var(jnp.zeros(h.shape, h.dtype))
+        no_loss = var(jnp.zeros((), h.dtype))
+
+        # Each branch: (x, g, t, u, mb) -> (y, gx, x', t', u', grads, loss);
+        # x', t', u' are written back to the micro-batch's slots.
+        def idle(x, g, t, u, mb):
+            return nil, nil, x, t, u, zeros, no_loss
+
+        def forward(x):
+            t = jnp.tanh(x @ sp["w"] + sp["b"])
+            return x + t, t
+
+        def f_first(x, g, t, u, mb):
+            x = md.first_fn(fp, mb)
+            y, t = forward(x)
+            return y, nil, x, t, u, zeros, no_loss
+
+        def f_mid(x, g, t, u, mb):
+            y, t = forward(x)
+            return y, nil, x, t, u, zeros, no_loss
+
+        def input_grad(g, t):
+            u = g * (1 - t * t)
+            return g + u @ sp["w"].T, u
+
+        def b_first(x, g, t, u, mb):
+            gx, u = input_grad(g, t)
+            (gf,) = jax.vjp(lambda fp: md.first_fn(fp, mb), fp)[1](gx)
+            return nil, nil, x, t, u, (gf, zeros[1], zeros[2]), no_loss
+
+        def b_mid(x, g, t, u, mb):
+            gx, u = input_grad(g, t)
+            return nil, gx, x, t, u, zeros, no_loss
+
+        def b_last(x, g, t, u, mb):
+            loss, vjp = jax.vjp(lambda lp, y: md.loss_fn(lp, y, mb) / m, lp, x + t)
+            gl, gy = vjp(jnp.ones_like(loss))
+            gx, u = input_grad(gy, t)
+            return nil, gx, x, t, u, (zeros[0], zeros[1], gl), loss
+
+        def weight(x, g, t, u, mb):
+            gs = {"w": x.T @ u, "b": u.sum(0)}
+            return nil, nil, x, t, u, (zeros[0], gs, zeros[2]), no_loss
+
+        branches = [idle, f_first, f_mid, b_first, b_mid, b_last, weight]
+
+        def tick(carry, step):
+            xs, gs, ts, us, f_msg, b_msg, grads, loss = carry
+            ix, ig = in_x[step, s], in_g[step, s]
+            xs = xs.at[jnp.maximum(ix, 0)].set(
+                jnp.where(ix >= 0, f_msg, xs[jnp.maximum(ix, 0)])
+            )
+            gs = gs.at[jnp.maximum(ig, 0)].set(
+                jnp.where(ig >= 0, b_msg, gs[jnp.maximum(ig, 0)])
+            )
+            j = mb_of[step, s]
+            i = j % k
+            mb = jax.tree.map(lambda v: v[j], mbs)
+            y, gx, x, t, u, d, dl = lax.switch(
+                branch[step, s], branches, xs[i], gs[i], ts[i], us[i], mb
+            )
+            xs, ts, us = xs.at[i].set(x), ts.at[i].set(t), us.at[i].set(u)
+            grads = jax.tree.map(jnp.add, grads, d)
+            f_msg = lax.ppermute(y, axis, fwd)
+            b_msg = lax.ppermute(gx, axis, bwd)
+            return (xs, gs, ts, us, f_msg, b_msg, grads, loss + dl), None
+
+        buf = var(jnp.zeros((k, *h.shape), h.dtype))
+        init = (buf, buf, buf, buf, nil, nil, zeros, no_loss)
+        ticks = cells[0].shape[0]
+        out, _ = lax.scan(tick, init, jnp.arange(ticks))
+        gf, gsp, gl = out[6]
+        gsp = jax.tree.map(lambda v: v[None], gsp)
+        return lax.psum(out[7], axis), (lax.psum(gf, axis), gsp, lax.psum(gl, axis))
+
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(axis), P(), P()),
+        out_specs=(P(), (P(), P(axis), P())),
+    )
+
+    def vg(params, batch):
+        fp, sp, lp = params
+        return run(fp, jax.reshard(sp, P(axis)), lp, batch)
+
+    return vg

@@ -22,7 +22,7 @@ def mesh():
     return jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
 
 
-@pytest.mark.parametrize("name", ["gpipe", "one_f_one_b", "pipeline_free"])
+@pytest.mark.parametrize("name", ["gpipe", "one_f_one_b", "zb_h1", "pipeline_free"])
 @pytest.mark.parametrize("m", [4, 8])
 def test_floor_equals_value_and_grad(mesh, name, m):
     params, batch = md.make(STAGES, rows=2 * m, width=8)
