@@ -96,6 +96,9 @@ def measure(
         )
     widths, ms = ((128,), (8,)) if quick else ((512, 1024), (8, 32))
     data = {
+        "run": "python benchmarks/bench_pipeline_floors.py"
+        + (" --quick" if quick else "")
+        + " --out benchmarks/results",
         "rounds": rounds,
         "rows_per_microbatch": ROWS,
         "cases": [case(w, m, rounds) for w in widths for m in ms],
@@ -112,7 +115,12 @@ def _r(r: dict) -> str:
 
 def markdown(data: dict[str, Any]) -> str:
     lines = [
-        f"Median of {data['rounds']} interleaved rounds; [25th-75th percentile].",
+        f"Made by `{data.get('run') or data.get('command')}`. "
+        f"Stage-4 mesh of CPU devices, {data['rows_per_microbatch']} rows per "
+        f"micro-batch; median of {data['rounds']} interleaved rounds "
+        "[25th-75th percentile]. A floor is the hand-written `shard_map` of the "
+        "same schedule (`benchmarks/pipeline_floors.py`); the pipeline-free run "
+        "gives each of the 4 devices M/4 micro-batches of the whole model.",
         "",
     ]
     header = [
