@@ -64,7 +64,7 @@ def bubbles() -> list[dict]:
         for m in (s, 4 * s, 16 * s):
             row = {"S": s, "M": m, "gpipe_formula": (s - 1) / (m + s - 1)}
             for name, r in SCHEDULES:
-                row[label(name, r)] = pl.bubble_fraction(name, s, m, r)
+                row[label(name, r)] = pl.idle_slots(name, s, m, r)
                 row[label(name, r) + "_time"] = pl.bubble_fraction(
                     name, s, m, r, costs=UNIT_COSTS
                 )

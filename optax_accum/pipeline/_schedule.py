@@ -20,15 +20,17 @@ ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024) splits the
 backward into B, the input gradient on the critical path, and W, the weight
 gradient, deferred into what would be bubbles; see `_zero_bubble_h1`.
 
-`bubble_fraction` reads a table two ways: the share of idle (tick, device)
-slots, or, given the costs of the ops, the idle share of device-time under
-lock-step SPMD, where each tick lasts as long as its busiest device's op
-(every tick ends in a ``ppermute``).
+`bubble_fraction` reads a table as the idle share of device-time under
+lock-step SPMD, given the costs of the ops (`_costs.measure_costs` reads
+them from the compiled stage): each tick lasts as long as its busiest
+device's op (every tick ends in a ``ppermute``). `idle_slots` counts idle
+(tick, device) slots.
 """
 
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -315,6 +317,26 @@ def schedule_table(
     return _forward_and_mirror(num_stages, num_microbatches, repeats)
 
 
+def idle_slots(
+    schedule: str, num_stages: int, num_microbatches: int, repeats: int = 1
+) -> float:
+    """The share of the table's (tick, device) slots that are idle.
+
+    GPipe: ``(S-1)/(M+S-1)``; circular: ``(S-1)/(r·M+S-1)``; 1F1B: GPipe's.
+    Interleaved 1F1B idles more slots (its forwards wait for even ticks, its
+    backwards for odd ones) but no more device time; ZB-H1 has three ops per
+    micro-batch and stage where the others have two. So slots compare
+    tables, not step times: for those, `bubble_fraction` with costs.
+
+    Examples:
+      >>> from optax_accum.pipeline import idle_slots
+      >>> idle_slots("gpipe", 4, 4)
+      0.42857142857142855
+    """
+    table = schedule_table(schedule, num_stages, num_microbatches, repeats)
+    return float(np.mean(table.op == IDLE))
+
+
 def bubble_fraction(
     schedule: str,
     num_stages: int,
@@ -322,32 +344,40 @@ def bubble_fraction(
     repeats: int = 1,
     costs: tuple[float, float, float] | None = None,
 ) -> float:
-    """The idle share of the table: of its slots, or of device-time.
+    """The idle share of device-time under lock-step SPMD, at op costs.
 
-    Without ``costs``, the fraction of (tick, device) slots that are idle.
-    GPipe: ``(S-1)/(M+S-1)``; circular: ``(S-1)/(r·M+S-1)``; 1F1B: GPipe's.
-    Interleaved 1F1B idles more slots (its forwards wait for even ticks, its
-    backwards for odd ones) but no device time in lock-step: its time
-    bubble is circular's slot bubble.
+    ``costs=(f, b, w)`` are the times of a forward, an input-gradient (B)
+    and a weight-gradient (W) op (a whole backward costs ``b + w``), e.g.
+    `measure_costs` of the model, or stated ones such as ``(1, 1, 1)``. Each
+    tick lasts as long as its busiest device's op, since every tick ends in
+    a ``ppermute``. With equal costs GPipe's is ``(S-1)/(M+S-1)``; 1F1B's is
+    worse than its slot count, as its ticks mix forwards with whole
+    backwards; interleaved 1F1B's is circular's ``(S-1)/(r·M+S-1)``.
 
-    With ``costs=(f, b, w)``, the times of a forward, an input-gradient (B)
-    and a weight-gradient (W) op (a whole backward costs ``b + w``), the idle
-    share of device-time under lock-step SPMD: each tick lasts as long as its
-    busiest device's op, since every tick ends in a ``ppermute``. With equal
-    costs GPipe's is still ``(S-1)/(M+S-1)``; 1F1B's is worse than its slot
-    count, as its ticks mix forwards with whole backwards.
+    Without ``costs`` it returns, for this release, the share of idle slots
+    (`idle_slots`) with a DeprecationWarning; from the next release it will
+    return the time bubble at costs ``(1, 1, 1)``.
 
     Examples:
       >>> from optax_accum.pipeline import bubble_fraction
-      >>> bubble_fraction("gpipe", 4, 4)
-      0.42857142857142855
+      >>> round(bubble_fraction("gpipe", 4, 4, costs=(1, 1, 1)), 4)
+      0.4286
       >>> round(bubble_fraction("1f1b", 4, 16, costs=(1, 1, 1)), 4)
       0.3333
     """
-    table = schedule_table(schedule, num_stages, num_microbatches, repeats)
     if costs is None:
-        return float(np.mean(table.op == IDLE))
-    busy = op_costs(costs)[table.op]
+        warnings.warn(
+            "`bubble_fraction` without `costs` returns the share of idle slots "
+            "this release and the time bubble at costs (1, 1, 1) from the next; "
+            "for the slots call `pipeline.idle_slots(...)`, for the time pass "
+            "`costs=` (e.g. `pipeline.measure_costs(...)` or (1, 1, 1)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return idle_slots(schedule, num_stages, num_microbatches, repeats)
+    unit = op_costs(costs)
+    table = schedule_table(schedule, num_stages, num_microbatches, repeats)
+    busy = unit[table.op]
     return float(1.0 - busy.sum() / (num_stages * busy.max(axis=1).sum()))
 
 

@@ -62,12 +62,12 @@ def test_each_op_once_in_order(schedule, stages, m, repeats):
 
 @pytest.mark.parametrize("stages,m", SIZES)
 def test_bubble_formulas(stages, m):
-    gpipe = pl.bubble_fraction("gpipe", stages, m)
+    gpipe = pl.idle_slots("gpipe", stages, m)
     assert gpipe == pytest.approx((stages - 1) / (m + stages - 1))
-    assert pl.bubble_fraction("1f1b", stages, m) <= gpipe + 1e-12
+    assert pl.idle_slots("1f1b", stages, m) <= gpipe + 1e-12
     if m % stages == 0:
         for r in (1, 2, 3):
-            got = pl.bubble_fraction("circular", stages, m, r)
+            got = pl.idle_slots("circular", stages, m, r)
             assert got == pytest.approx((stages - 1) / (r * m + stages - 1))
 
 
@@ -224,7 +224,7 @@ def test_time_bubble(stages, m):
     gpipe = pl.bubble_fraction("gpipe", stages, m, costs=unit)
     assert gpipe == pytest.approx((stages - 1) / (m + stages - 1))
     zb = pl.bubble_fraction("zb_h1", stages, m, costs=unit)
-    assert zb == pytest.approx(pl.bubble_fraction("zb_h1", stages, m))
+    assert zb == pytest.approx(pl.idle_slots("zb_h1", stages, m))
     if m >= stages:
         assert pl.schedule_table("zb_h1", stages, m).num_ticks == 3 * m + stages - 1
         assert zb == pytest.approx((stages - 1) / (3 * m + stages - 1))
@@ -236,7 +236,7 @@ def test_time_bubble_values():
     unit = (1, 1, 1)
     one_f_one_b = pl.bubble_fraction("1f1b", 4, 16, costs=unit)
     assert one_f_one_b == pytest.approx(1 - 48 / 72)
-    assert pl.bubble_fraction("1f1b", 4, 16) == pytest.approx(3 / 19)
+    assert pl.idle_slots("1f1b", 4, 16) == pytest.approx(3 / 19)
     assert pl.bubble_fraction("gpipe", 4, 16, costs=unit) == pytest.approx(3 / 19)
     zb = pl.bubble_fraction("zb_h1", 4, 16, costs=unit)
     assert zb == pytest.approx(3 / 51)

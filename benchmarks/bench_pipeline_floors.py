@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Every library pipeline schedule against its hand-written floor.
+
+Config: the tests' residual tanh stages (``tests/pipeline/models.py``),
+``ROWS`` rows per micro-batch, a stage-4 mesh of CPU devices (8 CPU devices
+set before JAX starts). For each width and M: the library's GPipe, 1F1B and
+ZB-H1 (`optax_accum.pipeline.value_and_grad`), the hand-written floors of
+the same schedules (`pipeline_floors`), the pipeline-free run (4 devices,
+M/4 micro-batches each) and the sequential model, timed in one process in
+interleaved rounds. Each time is a median ratio over rounds (25th-75th
+percentiles in brackets); temp memory is ``memory_analysis()``'s. The
+op costs are `optax_accum.pipeline.measure_costs` (compiled FLOPs).
+
+Run: ``python benchmarks/bench_pipeline_floors.py [--quick] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import harness
+
+STAGES = 4
+ROWS = 16
+PAIRS = (("gpipe", "gpipe"), ("1f1b", "one_f_one_b"), ("zb_h1", "zb_h1"))
+
+
+def case(width: int, m: int, rounds: int) -> dict[str, Any]:
+    import jax
+    import numpy as np
+    import pipeline_floors as floors
+
+    from optax_accum import pipeline as pl
+    from tests.pipeline import models as md
+
+    mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
+    params, batch = md.make(STAGES, rows=ROWS * m, width=width)
+    batch["mask"] = np.ones_like(batch["mask"])
+    fns = {}
+    for lib, floor in PAIRS:
+        fns[lib] = pl.value_and_grad(
+            md.first_fn, md.stage_fn, md.loss_fn, m, schedule=lib
+        )
+        fns["floor " + lib] = getattr(floors, floor)(mesh, m)
+    fns["pipeline-free"] = floors.pipeline_free(mesh, m)
+    fns["sequential"] = floors.sequential()
+    out: dict[str, Any] = {"width": width, "M": m, "temp_bytes": {}}
+    with jax.set_mesh(mesh):
+        compiled = {
+            n: jax.jit(f).lower(params, batch).compile() for n, f in fns.items()
+        }
+        for n, c in compiled.items():
+            out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
+        times = harness.interleaved(
+            {n: (lambda c=c: c(params, batch)) for n, c in compiled.items()}, rounds
+        )
+    out["seconds"] = {n: harness.median(t) for n, t in times.items()}
+    ratio = {}
+    for lib, _ in PAIRS:
+        ratio[lib + " / floor"] = harness.ratio(times, lib, "floor " + lib)._asdict()
+        ratio[lib + " / pipeline-free"] = harness.ratio(
+            times, lib, "pipeline-free"
+        )._asdict()
+    ratio["zb_h1 / 1f1b"] = harness.ratio(times, "zb_h1", "1f1b")._asdict()
+    ratio["floor gpipe / sequential"] = harness.ratio(
+        times, "floor gpipe", "sequential"
+    )._asdict()
+    ratio["pipeline-free / sequential"] = harness.ratio(
+        times, "pipeline-free", "sequential"
+    )._asdict()
+    out["ratios"] = ratio
+    out["costs"] = list(
+        pl.measure_costs(md.first_fn, md.stage_fn, md.loss_fn, params, batch, m)
+    )
+    out["time_bubble"] = {
+        lib: pl.bubble_fraction(lib, STAGES, m, costs=out["costs"]) for lib, _ in PAIRS
+    }
+    return out
+
+
+def measure(
+    quick: bool = False, rounds: int | None = None, json: str | None = None
+) -> dict[str, Any]:
+    """The cases as data; in a process with fewer than 8 CPU devices, runs
+    this script in a subprocess (``json``: where that one writes them)."""
+    rounds = rounds or (3 if quick else 7)
+    if harness.needs_cpu_devices(8):
+        return harness.json_of_script(
+            __file__, ["--rounds", str(rounds), *["--quick"] * quick]
+        )
+    widths, ms = ((128,), (8,)) if quick else ((512, 1024), (8, 32))
+    data = {
+        "run": "python benchmarks/bench_pipeline_floors.py"
+        + (" --quick" if quick else "")
+        + " --out benchmarks/results",
+        "rounds": rounds,
+        "rows_per_microbatch": ROWS,
+        "cases": [case(w, m, rounds) for w in widths for m in ms],
+    }
+    if json is not None:
+        with open(json, "w") as f:
+            f.write(__import__("json").dumps(data))
+    return data
+
+
+def _r(r: dict) -> str:
+    return f"{r['median']:.2f} [{r['q25']:.2f}-{r['q75']:.2f}]"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [
+        f"Made by `{data.get('run') or data.get('command')}`. "
+        f"Stage-4 mesh of CPU devices, {data['rows_per_microbatch']} rows per "
+        f"micro-batch; median of {data['rounds']} interleaved rounds "
+        "[25th-75th percentile]. A floor is the hand-written `shard_map` of the "
+        "same schedule (`benchmarks/pipeline_floors.py`); the pipeline-free run "
+        "gives each of the 4 devices M/4 micro-batches of the whole model.",
+        "",
+    ]
+    header = [
+        "width",
+        "M",
+        "schedule",
+        "time / floor",
+        "time / pipeline-free",
+        "temp MiB library / floor",
+        "time bubble at measured costs",
+    ]
+    rows = []
+    for c in data["cases"]:
+        for lib, _ in PAIRS:
+            t = c["temp_bytes"]
+            rows.append(
+                [
+                    c["width"],
+                    c["M"],
+                    lib,
+                    _r(c["ratios"][lib + " / floor"]),
+                    _r(c["ratios"][lib + " / pipeline-free"]),
+                    f"{harness.mib(t[lib])} / {harness.mib(t['floor ' + lib])}",
+                    f"{c['time_bubble'][lib]:.3f}",
+                ]
+            )
+    lines += harness.table(header, rows, "rrlrrrr")
+    lines += ["", "Context:", ""]
+    rows = [
+        [
+            c["width"],
+            c["M"],
+            _r(c["ratios"]["zb_h1 / 1f1b"]),
+            _r(c["ratios"]["floor gpipe / sequential"]),
+            _r(c["ratios"]["pipeline-free / sequential"]),
+            ", ".join(f"{x:.2f}" for x in c["costs"]),
+        ]
+        for c in data["cases"]
+    ]
+    lines += harness.table(
+        [
+            "width",
+            "M",
+            "ZB-H1 / 1F1B",
+            "floor GPipe / sequential",
+            "pipeline-free / sequential",
+            "measured (f, b, w)",
+        ],
+        rows,
+        "rrrrrr",
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+        jax.config.update("jax_num_cpu_devices", 8)
+    return harness.script_main(
+        "pipeline_floors",
+        __doc__,
+        measure,
+        markdown,
+        argv,
+        add_arguments=lambda p: p.add_argument("--json", default=None),
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
