@@ -187,3 +187,18 @@ def optimizer(value: Any, name: str) -> None:
         f"`{name}` must be an optax GradientTransformation (with `init` and "
         f"`update`), got {value!r}."
     )
+
+
+def real_scalar_loss(value: Any, of: str = "") -> None:
+    """Refuses a loss that `jax.grad` could not differentiate: not a real
+    floating scalar. ``of`` says what it is the loss of (" for one example")."""
+    dtype = getattr(value, "dtype", None)
+    if (
+        jnp.shape(value) != ()
+        or dtype is None
+        or not jnp.issubdtype(dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"the loss must return a real floating scalar{of} (as jax.grad "
+            f"requires), got shape {jnp.shape(value)} and dtype {dtype}."
+        )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _compiler, _dtypes, _sharding, _weights
+from .. import _checks, _compiler, _dtypes, _sharding, _weights
 from .._loss_scale import ScaledGrads
 from ._options import Context, Options, check_fun_output
 
@@ -218,16 +218,7 @@ def _value_and_aux(out: Any, has_aux: bool) -> tuple:
         value, aux = out
     else:
         value, aux = out, None
-    dtype = getattr(value, "dtype", None)
-    if (
-        jnp.shape(value) != ()
-        or dtype is None
-        or not jnp.issubdtype(dtype, jnp.floating)
-    ):
-        raise TypeError(
-            "the loss must return a real floating scalar (as jax.grad requires), "
-            f"got shape {jnp.shape(value)} and dtype {dtype}."
-        )
+    _checks.real_scalar_loss(value)
     return value, aux
 
 

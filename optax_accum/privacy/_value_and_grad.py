@@ -254,16 +254,7 @@ def _value_and_aux(out, has_aux):
         value, aux = out
     else:
         value, aux = out, ()
-    dtype = getattr(value, "dtype", None)
-    if (
-        jnp.shape(value) != ()
-        or dtype is None
-        or not jnp.issubdtype(dtype, jnp.floating)
-    ):
-        raise TypeError(
-            "the loss must return a real floating scalar for one example (as "
-            f"jax.grad requires), got shape {jnp.shape(value)} and dtype {dtype}."
-        )
+    _checks.real_scalar_loss(value, " for one example")
     return value, aux
 
 
