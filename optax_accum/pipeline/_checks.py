@@ -21,6 +21,10 @@ from .. import _checks, _dtypes, _reduction, _sharding, _weights
 from . import _schedule as sched
 from ._step import Pipeline
 
+# "stacked": one leading axis of S·repeats, stage j at j. "repeats_by_stage":
+# leading axes (repeats, S), stage r·S + s at [r, s], placed P(None, stage_axis).
+STAGE_LAYOUTS = ("stacked", "repeats_by_stage")
+
 
 def options(pipe: Pipeline) -> Pipeline:
     """``pipe``, once its options are checked (construction time)."""
@@ -39,6 +43,10 @@ def options(pipe: Pipeline) -> Pipeline:
             "`schedule='interleaved_1f1b'` needs `repeats` >= 2 (stages per "
             "device), got `repeats`=1: with one stage per device it is 1F1B; "
             "pass `schedule='1f1b'`, or `repeats=2` or more."
+        )
+    if pipe.stage_layout not in STAGE_LAYOUTS:
+        raise ValueError(
+            f"`stage_layout` must be one of {STAGE_LAYOUTS}, got {pipe.stage_layout!r}."
         )
     data_axes = _checks.axis_names(pipe.data_axes, "data_axes")
     if data_axes is not None and pipe.stage_axis in data_axes:
@@ -168,14 +176,7 @@ def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any, data_axes: tup
     fp, sp, lp = params
     stages = _stages(pipe)
     sched.check_schedule(pipe.schedule, stages, pipe.num_microbatches, pipe.repeats)
-    total = stages * pipe.repeats
-    try:
-        _leading(sp, "stage_params", total)
-    except ValueError as e:
-        raise ValueError(
-            f"{e} (S·repeats = {stages}·{pipe.repeats}: the size of "
-            f"`stage_axis`={pipe.stage_axis!r} times `repeats`)."
-        ) from None
+    _stage_params(pipe, sp, stages)
     _floating(params)
     if rng is not None:
         _takes_key(pipe)
@@ -184,6 +185,30 @@ def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any, data_axes: tup
         _data_axes(pipe, mesh)
     divisible(pipe, batch, data_axes, _sharding.mesh_size(mesh, data_axes))
     return fp, sp, lp, stages
+
+
+def _stage_params(pipe: Pipeline, sp: Any, stages: int) -> None:
+    """``stage_params`` leaves lead with the axes ``stage_layout`` says."""
+    if pipe.stage_layout == "stacked":
+        try:
+            _leading(sp, "stage_params", stages * pipe.repeats)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (S·repeats = {stages}·{pipe.repeats}: the size of "
+                f"`stage_axis`={pipe.stage_axis!r} times `repeats`)."
+            ) from None
+        return
+    want = (pipe.repeats, stages)
+    sizes = {
+        jax.tree_util.keystr(k): tuple(jnp.shape(v)[:2])
+        for k, v in jax.tree_util.tree_leaves_with_path(sp)
+    }
+    if not sizes or any(s != want for s in sizes.values()):
+        raise ValueError(
+            "with `stage_layout='repeats_by_stage'` every `stage_params` leaf "
+            f"must lead with (repeats, S) = {want} (`repeats` and the size of "
+            f"`stage_axis`={pipe.stage_axis!r}), got {sizes}."
+        )
 
 
 def divisible(pipe: Pipeline, batch: Any, data_axes: tuple, size: int) -> None:

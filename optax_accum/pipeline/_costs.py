@@ -72,6 +72,7 @@ def measure_costs(
     timed: bool = False,
     rounds: int = 5,
     rng: jax.Array | None = None,
+    stage_layout: str = "stacked",
 ) -> Costs:
     """The costs ``(f, b, w)`` of one stage's ops, as this pipeline runs them.
 
@@ -98,12 +99,15 @@ def measure_costs(
         they are noisy; the FLOPs are not).
       rounds: the timed calls of each op.
       rng: a key, when ``stage_fn`` and ``loss_fn`` take one.
+      stage_layout: ``"stacked"`` or ``"repeats_by_stage"``, as for
+        `value_and_grad`.
 
     Returns:
       `Costs` ``(f, b, w)`` with ``f`` = 1.
 
     Raises:
-      ValueError: ``params`` is not a 3-tuple, ``num_microbatches`` or
+      ValueError: ``params`` is not a 3-tuple, an unknown ``stage_layout``,
+        ``num_microbatches`` or
         ``rounds`` is not a positive int, M does not divide the rows, the
         stage changes ``h``'s shape or dtype, the loss is not a scalar, or
         the compiled forward reports no FLOPs (a backend without a cost
@@ -135,8 +139,14 @@ def measure_costs(
             f"`num_microbatches`={m} must divide the rows of every `batch` "
             f"leaf; got rows {sorted(rows)}."
         )
+    if stage_layout not in ("stacked", "repeats_by_stage"):
+        raise ValueError(
+            "`stage_layout` must be 'stacked' or 'repeats_by_stage', got "
+            f"{stage_layout!r}."
+        )
     fp, sp, lp = params
-    sp0 = jax.tree.map(lambda v: v[0], sp)
+    first = (0, 0) if stage_layout == "repeats_by_stage" else (0,)
+    sp0 = jax.tree.map(lambda v: v[first], sp)
     mb = jax.tree.map(lambda v: v[0::m], batch)
     keys = () if rng is None else (rng,)
 

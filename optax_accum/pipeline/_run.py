@@ -41,8 +41,12 @@ RUNNERS = {
 }
 
 
-def _layout(sp: Any, stages: int, repeats: int) -> Any:
-    """``(S·R, ...)`` stacked stages to ``(S, R, ...)``: [s, r] is stage r·S+s."""
+def _layout(sp: Any, stages: int, repeats: int, layout: str) -> Any:
+    """Stacked stages to ``(S, R, ...)``: [s, r] is stage r·S+s. From
+    ``(R, S, ...)`` (``"repeats_by_stage"``) that is a local transpose: a
+    device's stages are already its own."""
+    if layout == "repeats_by_stage":
+        return jax.tree.map(lambda v: v.swapaxes(0, 1), sp)
     if repeats == 1:
         return jax.tree.map(lambda v: v[:, None], sp)
     return jax.tree.map(
@@ -55,7 +59,9 @@ def _layout(sp: Any, stages: int, repeats: int) -> Any:
     )
 
 
-def _unlayout(gs: Any, stages: int, repeats: int) -> Any:
+def _unlayout(gs: Any, stages: int, repeats: int, layout: str) -> Any:
+    if layout == "repeats_by_stage":
+        return jax.tree.map(lambda v: v.swapaxes(0, 1), gs)
     if repeats == 1:
         return jax.tree.map(lambda v: v[:, 0], gs)
     return jax.tree.map(
@@ -135,7 +141,8 @@ def _shapes(pipe: Pipeline, fp, sp, lp, views, data_axes, rng):
     h = jax.eval_shape(pipe.first_fn, fp, mb)
     _checks.stage_input(h)
     h = jax.ShapeDtypeStruct(h.shape, h.dtype)
-    sp0 = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), sp)
+    lead = 2 if pipe.stage_layout == "repeats_by_stage" else 1
+    sp0 = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[lead:], v.dtype), sp)
     out = jax.eval_shape(lambda s, x, k: call_stage(pipe, s, x, k, 0, 0), sp0, h, rng)
     _checks.stage_output(h, out)
     loss, aux = jax.eval_shape(
@@ -202,7 +209,14 @@ def call(pipe: Pipeline, params: Any, batch: Any, rng: Any = None):
         out_specs=(P(), (P(), stage_spec, P()), aux_specs),
         axis_names=_manual_axes(pipe, data_axes, mesh),
     )
-    laid = (_place(fp, P()), _place(_layout(sp, stages, pipe.repeats), stage_spec))
+    layout = pipe.stage_layout
+    if layout == "repeats_by_stage":  # each device's stages are its own already
+        sp = _place(sp, P(None, pipe.stage_axis))
+    laid = (
+        _place(fp, P()),
+        _place(_layout(sp, stages, pipe.repeats, layout), stage_spec),
+    )
     loss, (gf, gs, gl), auxs = run((*laid, _place(lp, P())), _place(views, rows), rng)
-    grads = _like((gf, _unlayout(gs, stages, pipe.repeats), gl), (fp, sp, lp))
+    gs = _unlayout(gs, stages, pipe.repeats, layout)
+    grads = _like((gf, gs, gl), (fp, sp, lp))
     return ((loss, auxs), grads) if pipe.has_aux else (loss, grads)

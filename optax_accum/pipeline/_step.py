@@ -60,6 +60,7 @@ class Pipeline:
     accumulator_dtype: Any = _dtypes.PROMOTE
     data_axes: tuple[str, ...] | None = None  # None: not declared
     aux_rows: Any = None
+    stage_layout: str = "stacked"  # or "repeats_by_stage": (repeats, S, ...)
 
 
 class Local(NamedTuple):

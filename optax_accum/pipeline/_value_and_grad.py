@@ -33,6 +33,7 @@ def value_and_grad(
     accumulator_dtype: Any = "promote",
     data_axes: str | tuple[str, ...] | None = None,
     aux_rows: Any = None,
+    stage_layout: str = "stacked",
 ) -> Callable[..., Any]:
     """The loss and gradients of a model split into pipeline stages.
 
@@ -91,6 +92,15 @@ def value_and_grad(
       aux_rows: with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold
         the micro-batch's rows on axis 0 (gathered over the data shards) and
         which are statistics (averaged), as in `microbatch`.
+      stage_layout: how ``stage_params`` are stacked. ``"stacked"``: one
+        leading axis of ``S · repeats``, stage ``j`` at slice ``j``.
+        ``"repeats_by_stage"``: two leading axes ``(repeats, S)``, stage
+        ``r · S + s`` at ``[r, s]`` (MaxText's circular layout); placed with
+        ``P(None, stage_axis)``, every device already holds the stages it
+        runs, so ``"circular"`` and ``"interleaved_1f1b"`` move no
+        parameter over ``stage_axis`` (with ``"stacked"`` and ``repeats`` >=
+        2 they are laid out once before the loop, and the gradients put
+        back after it). The gradients come back in the same layout.
 
     Returns:
       ``vg(params, batch, rng=None) -> (loss, grads)`` (``((loss, aux),
@@ -110,8 +120,9 @@ def value_and_grad(
         ``"1f1b"``), M not a multiple of S for ``"circular"`` or
         ``"interleaved_1f1b"``; at the call, a
         mesh without ``stage_axis``, ``stage_params`` not stacked by
-        ``S · repeats``, a batch size not divisible by M times the data
-        shards, a ``stage_fn`` that changes ``h``'s shape or dtype, or a
+        ``S · repeats`` (or ``(repeats, S)``), an unknown ``stage_layout``,
+        a batch size not divisible by M times the data shards, a
+        ``stage_fn`` that changes ``h``'s shape or dtype, or a
         non-scalar loss or weight.
       TypeError: an integer parameter leaf, an integer loss, a complex (or
         non-numeric) weight from ``weight_fn``, a ``loss_fn`` that returns
@@ -155,6 +166,7 @@ def value_and_grad(
         accumulator_dtype,
         data_axes,
         aux_rows,
+        stage_layout,
     )
     pipe = _checks.options(pipe)
 

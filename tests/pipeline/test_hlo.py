@@ -26,9 +26,9 @@ STAGES = 4
 REPEATED = ("circular", "interleaved_1f1b")
 
 
-def lowered(schedule, m, data=1, rows=2, width=8):
+def lowered(schedule, m, data=1, rows=2, width=8, layout="stacked"):
     """``(lowered, mesh)``: the pipeline on a (data, stage 4) mesh, ``rows``
-    rows per micro-batch and device."""
+    rows per micro-batch and device; the stage parameters in ``layout``."""
     repeats = 2 if schedule in REPEATED else 1
     devices = jax.devices()[: STAGES * data]
     mesh = jax.make_mesh((data, STAGES), ("data", "stage"), devices=devices)
@@ -37,7 +37,11 @@ def lowered(schedule, m, data=1, rows=2, width=8):
     with jax.set_mesh(mesh):
         # The stages placed where they run: their gradients come back so, with
         # no gather (unplaced, they come back replicated, like the parameters).
-        sp = jax.device_put(sp, NamedSharding(mesh, P("stage")))
+        if layout == "repeats_by_stage":  # (repeats, S, ...), P(None, "stage")
+            sp = jax.tree.map(lambda v: v.reshape(repeats, STAGES, *v.shape[1:]), sp)
+            sp = jax.device_put(sp, NamedSharding(mesh, P(None, "stage")))
+        else:
+            sp = jax.device_put(sp, NamedSharding(mesh, P("stage")))
         params = (fp, sp, lp)
         kw = {}
         if data > 1:
@@ -50,6 +54,7 @@ def lowered(schedule, m, data=1, rows=2, width=8):
             m,
             schedule=schedule,
             repeats=repeats,
+            stage_layout=layout,
             **kw,
         )
         return jax.jit(vg).lower(params, batch), mesh
@@ -64,8 +69,8 @@ def shift(groups, mesh):
     return steps.pop()
 
 
-def check_collectives(schedule):
-    low, mesh = lowered(schedule, 8, data=2)
+def check_collectives(schedule, layout="stacked"):
+    low, mesh = lowered(schedule, 8, data=2, layout=layout)
     comps, _ = hlo.computations(low.compile().as_text())
     bodies = hlo.while_bodies(comps)
     assert bodies
@@ -88,8 +93,10 @@ def check_collectives(schedule):
     # Circular, interleaved: stage j = r·S + s lives on device s, so laying
     # the stacked parameters out moves them once before the loop, and putting
     # the gradients back in their order once after it: one gather per leaf (2)
-    # each way (the loops themselves hold only collective-permutes).
-    assert len(gathers) == (4 if schedule in REPEATED else 0), gathers
+    # each way (the loops themselves hold only collective-permutes). Stacked
+    # (repeats, S) and placed P(None, "stage"), they are already there.
+    relaid = schedule in REPEATED and layout == "stacked"
+    assert len(gathers) == (4 if relaid else 0), gathers
     data_reduces = [
         g
         for op, g, _ in everything
@@ -106,6 +113,14 @@ def test_collectives_1f1b():
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 def test_collectives(schedule):
     check_collectives(schedule)
+
+
+@pytest.mark.parametrize("schedule", REPEATED)
+def test_repeats_by_stage_layout_gathers_nothing_over_stage(schedule):
+    """Goal 5 of issue 34: with the stages stacked (repeats, S) and placed
+    P(None, "stage"), circular and interleaved 1F1B have no all-gather over
+    the stage axis, inside the loop or outside it."""
+    check_collectives(schedule, layout="repeats_by_stage")
 
 
 def instructions(text):
