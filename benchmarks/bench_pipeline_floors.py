@@ -29,6 +29,85 @@ import harness
 STAGES = 4
 ROWS = 16
 PAIRS = (("gpipe", "gpipe"), ("1f1b", "one_f_one_b"), ("zb_h1", "zb_h1"))
+# Two layers per device: circular and interleaved 1F1B (repeats 2, stacked
+# (repeats, S) and placed P(None, "stage")) against the same 8-layer model
+# as 4 two-layer stages: the library's GPipe and 1F1B and their floors.
+REPEATS = 2
+REPEATED = (("circular", "gpipe"), ("interleaved_1f1b", "1f1b"))
+
+
+def two_layers(sp, h):
+    """One device's stage of two layers (``sp`` leaves lead with 2)."""
+    import jax
+
+    from tests.pipeline import models as md
+
+    for i in range(REPEATS):
+        h = md.stage_fn(jax.tree.map(lambda v, i=i: v[i], sp), h)
+    return h
+
+
+def repeated(width: int, m: int, rounds: int) -> dict[str, Any]:
+    """Circular and interleaved 1F1B against two-layer GPipe and 1F1B."""
+    import jax
+    import numpy as np
+    import pipeline_floors as floors
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from optax_accum import pipeline as pl
+    from tests.pipeline import models as md
+
+    mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
+    (fp, sp, lp), batch = md.make(STAGES * REPEATS, rows=ROWS * m, width=width)
+    batch["mask"] = np.ones_like(batch["mask"])
+    # Layer j: stage j // 2's layer j % 2 in the two-layer model; [r, s] with
+    # j = r·S + s in the repeated one. Both are the same 8 layers in order.
+    by_device = jax.tree.map(lambda v: v.reshape(STAGES, REPEATS, *v.shape[1:]), sp)
+    by_repeat = jax.tree.map(lambda v: v.reshape(REPEATS, STAGES, *v.shape[1:]), sp)
+    fns, args = {}, {}
+    for lib, base in REPEATED:
+        fns[lib] = pl.value_and_grad(
+            md.first_fn, md.stage_fn, md.loss_fn, m, schedule=lib,
+            repeats=REPEATS, stage_layout="repeats_by_stage",
+        )  # fmt: skip
+        fns[base + " x2"] = pl.value_and_grad(
+            md.first_fn, two_layers, md.loss_fn, m, schedule=base
+        )
+        floor = "one_f_one_b" if base == "1f1b" else base
+        fns["floor " + base + " x2"] = getattr(floors, floor)(
+            mesh, m, stage_fn=two_layers
+        )
+    out: dict[str, Any] = {"width": width, "M": m, "temp_bytes": {}}
+    with jax.set_mesh(mesh):
+        across = NamedSharding(mesh, P(None, "stage"))
+        placed = {
+            "repeats": (fp, jax.device_put(by_repeat, across), lp),
+            "stages": (
+                fp,
+                jax.device_put(by_device, NamedSharding(mesh, P("stage"))),
+                lp,
+            ),
+        }
+        for n in fns:
+            args[n] = placed["repeats" if n in dict(REPEATED) else "stages"]
+        compiled = {
+            n: jax.jit(f).lower(args[n], batch).compile() for n, f in fns.items()
+        }
+        for n, c in compiled.items():
+            out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
+        times = harness.interleaved(
+            {n: (lambda c=c, n=n: c(args[n], batch)) for n, c in compiled.items()},
+            rounds,
+        )
+    out["seconds"] = {n: harness.median(t) for n, t in times.items()}
+    out["ratios"] = {}
+    for lib, base in REPEATED:
+        for other in (base + " x2", "floor " + base + " x2"):
+            out["ratios"][f"{lib} / {other}"] = harness.ratio(
+                times, lib, other
+            )._asdict()
+    return out
 
 
 def case(width: int, m: int, rounds: int) -> dict[str, Any]:
@@ -102,6 +181,7 @@ def measure(
         "rounds": rounds,
         "rows_per_microbatch": ROWS,
         "cases": [case(w, m, rounds) for w in widths for m in ms],
+        "repeated": [repeated(w, m, rounds) for w in widths for m in ms],
     }
     if json is not None:
         with open(json, "w") as f:
@@ -172,7 +252,47 @@ def markdown(data: dict[str, Any]) -> str:
         rows,
         "rrrrrr",
     )
+    lines += _repeated_table(data.get("repeated", []))
     return "\n".join(lines) + "\n"
+
+
+def _repeated_table(cases: list[dict[str, Any]]) -> list[str]:
+    """Circular and interleaved 1F1B (2 layers per device) against GPipe and
+    1F1B with two-layer stages, library and floor."""
+    if not cases:
+        return []
+    rows = []
+    for c in cases:
+        t = c["temp_bytes"]
+        for lib, base in REPEATED:
+            rows.append(
+                [
+                    c["width"],
+                    c["M"],
+                    lib,
+                    _r(c["ratios"][f"{lib} / {base} x2"]),
+                    _r(c["ratios"][f"{lib} / floor {base} x2"]),
+                    f"{harness.mib(t[lib])} / {harness.mib(t[base + ' x2'])} / "
+                    f"{harness.mib(t['floor ' + base + ' x2'])}",
+                ]
+            )
+    header = [
+        "width",
+        "M",
+        "schedule (repeats 2)",
+        "time / library's two-layer-stage base",
+        "time / that base's floor",
+        "temp MiB: it / base / floor",
+    ]
+    return [
+        "",
+        "Two layers per device (8 layers on 4 devices): circular and interleaved "
+        "1F1B with `stage_layout='repeats_by_stage'` against GPipe (circular's "
+        "base) and 1F1B (interleaved's) running the same 8 layers as 4 "
+        "two-layer stages, library and hand-written floor:",
+        "",
+        *harness.table(header, rows, "rrlrrr"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ is a real floor and not a cheaper, wrong program.
 - `gpipe`: every forward, then ``jax.grad`` of the forward scan (its
   transpose), each tick rematerialised (``jax.checkpoint``), as the
   library's GPipe keeps one stage input per tick.
+- `gpipe` and `one_f_one_b` take ``stage_fn=`` (one device's stage), for
+  the benchmark's two-layer stages beside circular and interleaved 1F1B.
 - `pipeline_free`: no pipeline; each of the S devices runs the whole
   sequential model on its M/S micro-batches, gradients summed once. The
   context for what micro-batching and a lock-step sync cost on this host.
@@ -39,7 +41,7 @@ def _microbatches(batch, m):
     )
 
 
-def gpipe(mesh, num_microbatches: int, axis: str = "stage"):
+def gpipe(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.stage_fn):
     """``vg(params, batch) -> (loss, grads)``: GPipe by hand on ``axis``."""
     stages = mesh.shape[axis]
     m = num_microbatches
@@ -55,7 +57,7 @@ def gpipe(mesh, num_microbatches: int, axis: str = "stage"):
             h, loss = carry
             mb_in = jax.tree.map(lambda v: v[jnp.minimum(t, m - 1)], mbs)
             x = jnp.where(s == 0, md.first_fn(fp, mb_in), h)
-            y = md.stage_fn(sp, x)
+            y = stage_fn(sp, x)
             out = t - (stages - 1)
             mb_out = jax.tree.map(lambda v: v[jnp.clip(out, 0, m - 1)], mbs)
             done = (s == stages - 1) & (out >= 0)
@@ -146,7 +148,7 @@ def _one_f_one_b_cells(stages: int, m: int):
     return [np.asarray(a, np.int32) for a in (branch, np.maximum(mb, 0), in_x, in_g)], k
 
 
-def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage"):
+def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.stage_fn):
     """``vg(params, batch) -> (loss, grads)``: 1F1B by hand on ``axis``: one
     ``lax.switch`` per tick (the op and the device's role), a backward
     recomputed under one ``jax.vjp`` from the kept stage input."""
@@ -178,25 +180,25 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage"):
             return nil, nil, zeros, no_loss
 
         def f_first(x, g, mb):
-            return md.stage_fn(sp, md.first_fn(fp, mb)), nil, zeros, no_loss
+            return stage_fn(sp, md.first_fn(fp, mb)), nil, zeros, no_loss
 
         def f_mid(x, g, mb):
-            return md.stage_fn(sp, x), nil, zeros, no_loss
+            return stage_fn(sp, x), nil, zeros, no_loss
 
         def b_first(x, g, mb):
             def f(fp, sp):
-                return md.stage_fn(sp, md.first_fn(fp, mb))
+                return stage_fn(sp, md.first_fn(fp, mb))
 
             gf, gs = jax.vjp(f, fp, sp)[1](g)
             return nil, nil, (gf, gs, zeros[2]), no_loss
 
         def b_mid(x, g, mb):
-            gs, gx = jax.vjp(md.stage_fn, sp, x)[1](g)
+            gs, gx = jax.vjp(stage_fn, sp, x)[1](g)
             return nil, gx, (zeros[0], gs, zeros[2]), no_loss
 
         def b_last(x, g, mb):
             def f(sp, lp, x):
-                return md.loss_fn(lp, md.stage_fn(sp, x), mb) / m
+                return md.loss_fn(lp, stage_fn(sp, x), mb) / m
 
             loss, vjp = jax.vjp(f, sp, lp, x)
             gs, gl, gx = vjp(jnp.ones_like(loss))

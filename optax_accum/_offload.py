@@ -127,7 +127,13 @@ def offload(
     `accumulate` and `MultiSteps` return it in ``memory_kind``: those put
     every leaf there on entry. PRNG keys in the state stay in
     device memory: a jitted program types a key in host memory as device
-    memory (JAX 0.10), and a key is a few bytes.
+    memory (JAX 0.10), and a key is a few bytes. A ``lax.scan`` (or
+    ``fori_loop``) carry must keep its type, memory kind included, so a state
+    that arrives in device memory cannot enter a scanned training loop as it
+    is: the first update returns it in ``memory_kind`` and the scan refuses
+    the carry ("carry input and carry output must have equal types ...
+    float32<host>"). Put it where ``offload`` keeps it before the loop:
+    ``jax.device_put(state, optax_accum.state_shardings(tx, params))``.
 
     Donating the state: under an Auto mesh ``jax.jit`` aliases each state
     buffer with its own output. Under an Explicit mesh it pairs donated

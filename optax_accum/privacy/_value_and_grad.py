@@ -213,7 +213,9 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
 
     rows = [mb[i] for i in range(len(idx))]
     vg = jax.value_and_grad(one, has_aux=True)
-    (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(params, rows)
+    (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(
+        _gathered(params, rows), rows
+    )
     clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c))(grads)
 
     def masked(x):  # a select, not a product: 0 * NaN is NaN
@@ -224,6 +226,29 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
     loss_sum = jnp.sum(masked(values.astype(vtype)))
     sums = jax.tree.map(lambda g: jnp.sum(masked(g), axis=0), clipped)
     return sums, loss_sum, jax.tree.map(masked, aux)
+
+
+def _gathered(params: Any, rows: Any) -> Any:
+    """``params`` gathered over the Explicit mesh axes that shard the rows
+    (FSDP): the per-example ``vmap`` maps over those axes, and JAX refuses an
+    unmapped operand sharded over them. The gathers are per micro-batch, as
+    FSDP's are; the sums go back to the parameters' sharding in the carry."""
+    axes = _sharding.row_axes(rows)
+    if not axes:
+        return params
+
+    def gather(p):
+        spec = _sharding.explicit_spec(p)
+        if spec is None or not _sharding.used_axes(spec) & axes:
+            return p
+        keep = [
+            tuple(a for a in _sharding.axes_of(e) if a not in axes) or None
+            for e in spec.partitions
+        ]
+        keep = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in keep]
+        return jax.sharding.reshard(p, P(*keep))
+
+    return jax.tree.map(gather, params)
 
 
 def _rows_like(mask: jax.Array, x: jax.Array) -> jax.Array:

@@ -31,3 +31,21 @@ def test_floor_equals_value_and_grad(mesh, name, m):
     with jax.set_mesh(mesh):
         got = jax.jit(getattr(floors, name)(mesh, m))(params, batch)
     md.assert_close(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "one_f_one_b"])
+def test_two_layer_stage_floor_equals_value_and_grad(mesh, name):
+    """The benchmark's base for circular and interleaved 1F1B: 8 layers as 4
+    two-layer stages (stage leaves lead with (S, 2))."""
+    from benchmarks.bench_pipeline_floors import two_layers
+
+    (fp, sp, lp), batch = md.make(2 * STAGES, rows=16, width=8)
+    batch["mask"] = np.ones_like(batch["mask"])
+    want_value, (wf, ws, wl) = jax.value_and_grad(md.sequential)((fp, sp, lp), batch)
+    pair = jax.tree.map(lambda v: v.reshape(STAGES, 2, *v.shape[1:]), sp)
+    with jax.set_mesh(mesh):
+        got = jax.jit(getattr(floors, name)(mesh, 8, stage_fn=two_layers))(
+            (fp, pair, lp), batch
+        )
+    ws = jax.tree.map(lambda v: v.reshape(STAGES, 2, *v.shape[1:]), ws)
+    md.assert_close(got, (want_value, (wf, ws, wl)), rtol=1e-5)

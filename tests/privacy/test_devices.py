@@ -237,3 +237,31 @@ def test_fsdp_and_data_parallel_on_a_2d_mesh_equal_one_device():
             p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
     assert p["w"].sharding.spec == P("model")
     _close(p, _one_device(params, xs, ys))
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_fsdp_over_the_batch_axis_equals_one_device(axis_type):
+    """ZeRO-3: the weights and the batch's rows sharded over the same axis.
+    On an Explicit mesh the per-example vmap refused the sharded unmapped
+    parameters ("Unmapped values passed to vmap cannot be sharded along the
+    mesh axis you are vmapping over"); they are gathered per micro-batch."""
+    params, x, y = data(rows=32, dim=8, scale=2.0)
+    xs, ys = np.split(x, 2), np.split(y, 2)
+    mesh = jax.make_mesh((N,), ("d",), axis_types=(getattr(AxisType, axis_type),))
+    tx = _tx()
+    with jax.set_mesh(mesh):
+        fsdp = {"w": NamedSharding(mesh, P("d")), "b": NamedSharding(mesh, P())}
+        p = jax.device_put(params, fsdp)
+        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
+
+        @jax.jit
+        def step(p, s, x, y):
+            u, s = tx.update(_vg(p, x, y)[1], s, p)
+            return optax.apply_updates(p, u), s
+
+        rows = NamedSharding(mesh, P("d"))
+        for x, y in zip(xs, ys, strict=True):
+            p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+    if axis_type == "Explicit":
+        assert p["w"].sharding.spec == P("d")
+    _close(p, _one_device(params, xs, ys))
