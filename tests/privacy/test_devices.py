@@ -213,6 +213,21 @@ def test_pmap_axis_name_equals_one_device():
     _close(jax.tree.map(lambda a: a[0], p), _one_device(params, xs, ys))
 
 
+def _train_placed(tx, p, xs, ys, rows):
+    """``p`` (placed) after the DP step on each batch, its rows placed ``rows``;
+    the state built in ``state_shardings``. Under the caller's mesh."""
+    state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(_vg(p, x, y)[1], s, p)
+        return optax.apply_updates(p, u), s
+
+    for x, y in zip(xs, ys, strict=True):
+        p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+    return p
+
+
 def test_fsdp_and_data_parallel_on_a_2d_mesh_equal_one_device():
     # The batch over "data", the weight matrix over "model" (a scalar
     # parameter too, whose per-example gradients are sharded like the rows).
@@ -225,16 +240,7 @@ def test_fsdp_and_data_parallel_on_a_2d_mesh_equal_one_device():
             params,
             {"w": NamedSharding(mesh, P("model")), "b": NamedSharding(mesh, P())},
         )
-        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
-
-        @jax.jit
-        def step(p, s, x, y):
-            u, s = tx.update(_vg(p, x, y)[1], s, p)
-            return optax.apply_updates(p, u), s
-
-        rows = NamedSharding(mesh, P("data"))
-        for x, y in zip(xs, ys, strict=True):
-            p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+        p = _train_placed(tx, p, xs, ys, NamedSharding(mesh, P("data")))
     assert p["w"].sharding.spec == P("model")
     _close(p, _one_device(params, xs, ys))
 
@@ -251,17 +257,8 @@ def test_fsdp_over_the_batch_axis_equals_one_device(axis_type):
     tx = _tx()
     with jax.set_mesh(mesh):
         fsdp = {"w": NamedSharding(mesh, P("d")), "b": NamedSharding(mesh, P())}
-        p = jax.device_put(params, fsdp)
-        state = jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, p))(p)
-
-        @jax.jit
-        def step(p, s, x, y):
-            u, s = tx.update(_vg(p, x, y)[1], s, p)
-            return optax.apply_updates(p, u), s
-
         rows = NamedSharding(mesh, P("d"))
-        for x, y in zip(xs, ys, strict=True):
-            p, state = step(p, state, jax.device_put(x, rows), jax.device_put(y, rows))
+        p = _train_placed(tx, jax.device_put(params, fsdp), xs, ys, rows)
     if axis_type == "Explicit":
         assert p["w"].sharding.spec == P("d")
     _close(p, _one_device(params, xs, ys))
