@@ -61,6 +61,50 @@ def _median_seconds(fns: list[Callable[[], Any]], rounds: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def _checked(params: Any, batch: Any, num_microbatches: Any, stage_layout: Any) -> int:
+    """M, once ``params``, ``batch`` and ``stage_layout`` are what
+    `measure_costs` takes (a ValueError naming the argument if not)."""
+    if not isinstance(params, (tuple, list)) or len(params) != 3:
+        raise ValueError(
+            "`params` must be (first_params, stage_params, last_params), got "
+            f"{type(params).__name__} of length "
+            f"{len(params) if isinstance(params, (tuple, list)) else 'n/a'}."
+        )
+    m = _check_int("num_microbatches", num_microbatches)
+    rows = {int(jnp.shape(v)[0]) for v in jax.tree.leaves(batch)}
+    if len(rows) != 1 or next(iter(rows)) % m:
+        raise ValueError(
+            f"`num_microbatches`={m} must divide the rows of every `batch` "
+            f"leaf; got rows {sorted(rows)}."
+        )
+    if stage_layout not in ("stacked", "repeats_by_stage"):
+        raise ValueError(
+            "`stage_layout` must be 'stacked' or 'repeats_by_stage', got "
+            f"{stage_layout!r}."
+        )
+    return m
+
+
+def _composed(first_fn, stage, loss, params: tuple, sp0: Any, mb: Any) -> Any:
+    """The type of ``h``, once the stage keeps it and the loss of the
+    stage's output is a scalar (a ValueError if not)."""
+    fp, _, lp = params
+    h = jax.eval_shape(first_fn, fp, mb)
+    y = jax.eval_shape(stage, sp0, h)
+    if (y.shape, y.dtype) != (h.shape, h.dtype):
+        raise ValueError(
+            "`stage_fn` must keep h's shape and dtype: got "
+            f"{y.shape} {y.dtype} from {h.shape} {h.dtype}."
+        )
+    out = jax.eval_shape(loss, lp, y)
+    out = out[0] if isinstance(out, tuple) else out
+    if getattr(out, "shape", None) != ():
+        raise ValueError(
+            f"`loss_fn` must return a scalar loss, got {getattr(out, 'shape', out)}."
+        )
+    return h
+
+
 def measure_costs(
     first_fn: Callable,
     stage_fn: Callable,
@@ -125,26 +169,9 @@ def measure_costs(
       >>> [round(c, 2) for c in costs]  # a matmul: B and W each cost F
       [1.0, 1.0, 1.0]
     """
-    if not isinstance(params, (tuple, list)) or len(params) != 3:
-        raise ValueError(
-            "`params` must be (first_params, stage_params, last_params), got "
-            f"{type(params).__name__} of length "
-            f"{len(params) if isinstance(params, (tuple, list)) else 'n/a'}."
-        )
-    m = _check_int("num_microbatches", num_microbatches)
+    m = _checked(params, batch, num_microbatches, stage_layout)
     rounds = _check_int("rounds", rounds)
-    rows = {int(jnp.shape(v)[0]) for v in jax.tree.leaves(batch)}
-    if len(rows) != 1 or next(iter(rows)) % m:
-        raise ValueError(
-            f"`num_microbatches`={m} must divide the rows of every `batch` "
-            f"leaf; got rows {sorted(rows)}."
-        )
-    if stage_layout not in ("stacked", "repeats_by_stage"):
-        raise ValueError(
-            "`stage_layout` must be 'stacked' or 'repeats_by_stage', got "
-            f"{stage_layout!r}."
-        )
-    fp, sp, lp = params
+    fp, sp, _ = params
     first = (0, 0) if stage_layout == "repeats_by_stage" else (0,)
     sp0 = jax.tree.map(lambda v: v[first], sp)
     mb = jax.tree.map(lambda v: v[0::m], batch)
@@ -153,20 +180,10 @@ def measure_costs(
     def stage(sp, x):
         return stage_fn(sp, x, *keys)
 
-    h = jax.eval_shape(first_fn, fp, mb)
-    y = jax.eval_shape(stage, sp0, h)
-    if (y.shape, y.dtype) != (h.shape, h.dtype):
-        raise ValueError(
-            "`stage_fn` must keep h's shape and dtype: got "
-            f"{y.shape} {y.dtype} from {h.shape} {h.dtype}."
-        )
-    loss = jax.eval_shape(lambda lp, y: loss_fn(lp, y, mb, *keys), lp, y)
-    loss = loss[0] if isinstance(loss, tuple) else loss
-    if getattr(loss, "shape", None) != ():
-        raise ValueError(
-            f"`loss_fn` must return a scalar loss, got {getattr(loss, 'shape', loss)}."
-        )
+    def loss(lp, y):
+        return loss_fn(lp, y, mb, *keys)
 
+    h = _composed(first_fn, stage, loss, params, sp0, mb)
     x = jax.jit(first_fn)(fp, mb)
     _, vjp = jax.vjp(stage, sp0, x)
     ct = jnp.ones(h.shape, h.dtype)

@@ -8,7 +8,7 @@ Device ``s`` runs stages ``s, s + S, ...`` (repeat ``r`` is stage
 to device 0's next repeat, a cotangent of device 0 back to device S-1's
 previous one: the same two ``ppermute``s per tick.
 
-Where a value waits is data too: `_loop.plan` reads the table and gives every
+Where a value waits is data too: `_plan.plan` reads the table and gives every
 stage input and every pending cotangent a buffer slot for the ticks between
 its arrival and its backward (a slot freed is reused), so the buffers hold
 the table's most values in flight, O(S·r), flat in M. Each repeat's
@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from . import _loop
+from . import _loop, _plan
 from . import _schedule as sched
 
 # The op of the slot where the last stage computes a micro-batch's loss.
@@ -31,8 +31,8 @@ LOSS_OP = sched.BACKWARD
 
 
 def plan(table: sched.ScheduleTable) -> tuple[tuple[np.ndarray, ...], int, int]:
-    """``(cells, x slots, g slots)``: `_loop.plan` of a whole-backward table."""
-    cells, nx, ng, _ = _loop.plan(table, split=False)
+    """``(cells, x slots, g slots)``: `_plan.plan` of a whole-backward table."""
+    cells, nx, ng, _ = _plan.plan(table, split=False)
     return cells, nx, ng
 
 

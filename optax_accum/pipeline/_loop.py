@@ -33,7 +33,7 @@ model always evaluated at the parameters themselves.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jax import lax
 
 from .. import _dtypes, _sharding
 from . import _schedule as sched
+from ._plan import Residuals, paired, phases, plan, probe
 from ._step import (
     Cells,
     Local,
@@ -56,107 +57,6 @@ from ._step import (
 
 IDLE, FORWARD, BACKWARD = sched.IDLE, sched.FORWARD, sched.BACKWARD
 INPUT, WEIGHT = sched.INPUT, sched.WEIGHT
-
-
-class Plan(NamedTuple):
-    """Per tick and device (``cells``): op, micro-batch, repeat, the slot
-    the arriving stage output and cotangent are written to (-1: none), the
-    slots the op reads its stage input and cotangent from, and its residual
-    slot; and the number of slots of each buffer."""
-
-    cells: tuple[np.ndarray, ...]
-    nx: int
-    ng: int
-    nr: int
-
-
-def _slots(live: dict, ticks: int) -> tuple[np.ndarray, dict, int]:
-    """Greedy slots for one device's ``live`` intervals ``{key: [start,
-    end]}``: ``(store, where, count)``, the slot written at each start tick
-    (-1 elsewhere), each key's slot, and the number of slots."""
-    store = np.full(ticks, -1, np.int32)
-    free_at: list[int] = []  # per slot, the first tick it is free again
-    where = {}
-    for key, (start, end) in sorted(live.items(), key=lambda kv: kv[1][0]):
-        slot = next((i for i, f in enumerate(free_at) if f <= start), len(free_at))
-        if slot == len(free_at):
-            free_at.append(0)
-        free_at[slot] = end + 1
-        store[start], where[key] = slot, slot
-    return store, where, len(free_at)
-
-
-def plan(table: sched.ScheduleTable, split: bool) -> Plan:
-    """Where each value waits: a slot from the tick it arrives (or is made)
-    to the last tick that reads it, a freed slot reused. Stage inputs (x)
-    arrive from the device before; cotangents (g) from the device after;
-    residuals (split only) are made at F (the last stage: at B) and read at
-    B and W. The slots hold the table's most values in flight."""
-    ticks, stages = table.op.shape
-    last = stages * (int(table.repeat.max()) + 1) - 1
-    back = INPUT if split else BACKWARD
-    at = {}
-    for t, s in zip(*np.nonzero(table.op != IDLE), strict=True):
-        j = int(table.repeat[t, s]) * stages + int(s)
-        at[int(table.op[t, s]), int(table.microbatch[t, s]), j] = int(t)
-    lives = [[{} for _ in range(stages)] for _ in range(3)]
-    for (op, m, j), t in at.items():
-        if op != FORWARD:
-            continue
-        s, t_b = j % stages, at[back, m, j]
-        if j > 0:
-            end = t if split and j < last else t_b
-            lives[0][s][m, j] = [at[FORWARD, m, j - 1] + 1, end]
-        if j < last:
-            lives[1][s][m, j] = [at[back, m, j + 1] + 1, t_b]
-        if split:
-            lives[2][s][m, j] = [t_b if j == last else t, at[WEIGHT, m, j]]
-    stores = [np.full((ticks, stages), -1, np.int32) for _ in range(3)]
-    reads = [np.zeros((ticks, stages), np.int32) for _ in range(3)]
-    sizes = [1, 1, 1]
-    for k in range(3):
-        for s in range(stages):
-            store, where, count = _slots(lives[k][s], ticks)
-            stores[k][:, s], sizes[k] = store, max(sizes[k], count)
-            for t in np.nonzero(table.op[:, s] != IDLE)[0]:
-                key = (
-                    int(table.microbatch[t, s]),
-                    int(table.repeat[t, s]) * stages + s,
-                )
-                reads[k][t, s] = where.get(key, 0)
-    cells = (table.op, table.microbatch, table.repeat, stores[0], stores[1], *reads)
-    return Plan(cells, *sizes)
-
-
-class Residuals(NamedTuple):
-    """How a stage ``vjp``'s leaves wait between F and W: ``source[i]`` is
-    the stage parameter leaf that residual ``i`` is (the traced program
-    forwards it), or -1 for one kept in the slot (``kept``: their types)."""
-
-    treedef: Any
-    source: tuple[int, ...]
-    kept: tuple[jax.ShapeDtypeStruct, ...]
-
-
-def probe(stage: Any, sp: Any, x: Any) -> Residuals:
-    """The `Residuals` of ``jax.vjp(stage, sp, x)``, read from its jaxpr: a
-    residual that is an input parameter (not a copy of one) is not kept."""
-    found = {}
-
-    def leaves(sp, x):
-        vjp = jax.vjp(stage, sp, x)[1]
-        flat, found["treedef"] = jax.tree.flatten(vjp)
-        return flat
-
-    closed = jax.make_jaxpr(leaves)(sp, x)
-    params = closed.jaxpr.invars[: len(jax.tree.leaves(sp))]
-    source, kept = [], []
-    for v, aval in zip(closed.jaxpr.outvars, closed.out_avals, strict=True):
-        j = next((i for i, p in enumerate(params) if v is p), -1)
-        source.append(j)
-        if j < 0:
-            kept.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-    return Residuals(found["treedef"], tuple(source), tuple(kept))
 
 
 def _add(acc: Any, d: Any) -> Any:
@@ -374,126 +274,134 @@ def accumulators(ctx: Local, params: tuple) -> tuple:
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
     """``(loss, grads, per-tick aux)`` of this device's share of the loss;
     the stage gradients stacked ``(R, ...)`` like this device's stages."""
-    axis, stages, repeats = ctx.pipe.stage_axis, ctx.num_stages, ctx.pipe.repeats
-    fp, sp, lp = params
-    # One tree per repeat, sliced once here rather than every tick.
-    sps = tuple(jax.tree.map(lambda v, r=r: v[r], sp) for r in range(repeats))
-    params = (fp, sps, lp)
-    layout = plan(table, split)
-    cells = Cells(layout.cells)
-    residuals = None
-    if split:
-        m0 = jnp.zeros((), jnp.int32)
-        slot0 = _Slot(ctx, split, None)
-        residuals = probe(slot0.stage(m0, 0), sps[0], zeros(ctx.h, ctx.axes))
-    slot = _Slot(ctx, split, residuals)
-    branches, variants = _dispatch(ctx, split, slot)
-    branches[IDLE] = lambda *a: _idle(*a, ctx=ctx)
-    for op in range(5):
-        if branches[op] is None:
-            branches[op] = branches[IDLE]
-    variants = jnp.asarray(variants)
-    first_dev = ctx.stage == 0
-    last_dev = ctx.stage == stages - 1
+    repeats = ctx.pipe.repeats
+    ticks = _Ticks(ctx, params, table, split)
+    if paired(table):
+        carry, auxs = lax.scan(ticks.pair, ticks.init(), length=table.num_ticks // 2)
+        auxs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), auxs)
+    else:
+        carry, outs = ticks.init(), []
+        for start, stop, send_f, send_b in phases(table, split):
+            ops = table.op[start:stop]
+            grad = bool(np.isin(ops, (BACKWARD, INPUT, WEIGHT)).any())
+            body = functools.partial(
+                ticks.tick, send_f=send_f, send_b=send_b, grad=grad
+            )
+            carry, out = lax.scan(body, carry, length=stop - start)
+            outs.append(out)
+        auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+    *_, grads, total, _, _ = carry
+    return total, _stacked(grads, repeats), auxs
 
-    def buffer(n, like):
-        return fill(jax.ShapeDtypeStruct((n, *like.shape), like.dtype), ctx.axes)
 
-    kept = residuals.kept if split else ()
-    rbuf = (tuple(buffer(layout.nr, k) for k in kept), buffer(layout.nr, ctx.h))
-    if not split:
-        rbuf = ((), buffer(1, ctx.h))
+class _Ticks:
+    """One device's loop over the table: the carry, one tick's op, the
+    messages, and the pair of ticks interleaved 1F1B runs as one step."""
 
-    def slot_op(t, state, x_store, g_store, f_msg, b_msg, grad=True):
+    def __init__(self, ctx: Local, params: tuple, table, split: bool):
+        fp, sp, lp = params
+        repeats = ctx.pipe.repeats
+        # One tree per repeat, sliced once here rather than every tick.
+        self.sps = tuple(jax.tree.map(lambda v, r=r: v[r], sp) for r in range(repeats))
+        self.ctx, self.split = ctx, split
+        self.params = (fp, self.sps, lp)
+        self.sums_like = (fp, self.sps[0] if repeats == 1 else sp, lp)
+        self.layout = plan(table, split)
+        self.cells = Cells(self.layout.cells)
+        self.residuals = None
+        if split:
+            stage = _Slot(ctx, split, None).stage(jnp.zeros((), jnp.int32), 0)
+            self.residuals = probe(stage, self.sps[0], zeros(ctx.h, ctx.axes))
+        branches, variants = _dispatch(ctx, split, _Slot(ctx, split, self.residuals))
+        branches[IDLE] = functools.partial(_idle, ctx=ctx)
+        self.branches = [b if b is not None else branches[IDLE] for b in branches]
+        self.variants = jnp.asarray(variants)
+
+    def buffer(self, n: int, like: Any) -> jax.Array:
+        shape = jax.ShapeDtypeStruct((n, *like.shape), like.dtype)
+        return fill(shape, self.ctx.axes)
+
+    def init(self) -> tuple:
+        """``(t, x slots, g slots, residual slots, sums, loss, messages)``."""
+        ctx, layout = self.ctx, self.layout
+        if self.split:
+            kept = tuple(self.buffer(layout.nr, k) for k in self.residuals.kept)
+            rbuf = (kept, self.buffer(layout.nr, ctx.h))
+        else:
+            rbuf = ((), self.buffer(1, ctx.h))
+        h = fill(ctx.h, ctx.axes)
+        sums = accumulators(ctx, self.sums_like)
+        xbuf, gbuf = self.buffer(layout.nx, ctx.h), self.buffer(layout.ng, ctx.h)
+        return (jnp.int32(0), xbuf, gbuf, rbuf, sums, no_loss(ctx), h, h)
+
+    def op(self, t, state, x_store, g_store, f_msg, b_msg, grad=True):
         """Tick ``t``'s op, the messages stored: ``(state, y, gx, aux)``."""
+        ctx, repeats = self.ctx, self.ctx.pipe.repeats
         xbuf, gbuf, rbuf, grads, total = state
-        op, m, r, _, _, x_slot, g_slot, r_slot = cells.at(t, ctx.stage)
+        op, m, r, _, _, x_slot, g_slot, r_slot = self.cells.at(t, ctx.stage)
         if x_store is not None:  # None: nothing arrives (a pair's second op)
             xbuf, gbuf = _store(xbuf, x_store, f_msg), _store(gbuf, g_store, b_msg)
         x_in = lax.dynamic_index_in_dim(xbuf, x_slot, 0, False)
         g_in = lax.dynamic_index_in_dim(gbuf, g_slot, 0, False)
-        res_in = _get(rbuf, r_slot)
         m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
         keep = ctx.keep[m]
         frozen = ~keep if ctx.pipe.has_aux else jnp.bool_(False)
-        first = first_dev & (r == 0)
-        last = last_dev & (r == repeats - 1)
-        variant = variants[op, r, first.astype(jnp.int32), last.astype(jnp.int32),
-                           frozen.astype(jnp.int32)]  # fmt: skip
-        live = (variant >= 0) & (keep | frozen)
-        which = jnp.where(live, op, IDLE)
-        args = (params, x_in, g_in, res_in, m)
+        first = (ctx.stage == 0) & (r == 0)
+        last = (ctx.stage == ctx.num_stages - 1) & (r == repeats - 1)
+        flags = (first, last, frozen)
+        variant = self.variants[(op, r, *(f.astype(jnp.int32) for f in flags))]
+        which = jnp.where((variant >= 0) & (keep | frozen), op, IDLE)
         # Buffers and sums stay outside the switch: a branch returns what it
         # made, so no branch passes (and copies) a buffer it does not touch.
-        y, gx, res, wrote, (df, ds, dl), loss, aux = lax.switch(
-            which, branches, jnp.maximum(variant, 0), *args
+        args = (self.params, x_in, g_in, _get(rbuf, r_slot), m)
+        y, gx, res, wrote, deltas, loss, aux = lax.switch(
+            which, self.branches, jnp.maximum(variant, 0), *args
         )
-        rbuf = jax.tree.map(
-            lambda b, v: _store(b, jnp.where(wrote, r_slot, -1), v), rbuf, res
-        )
+        at = jnp.where(wrote, r_slot, -1)
+        rbuf = jax.tree.map(lambda b, v: _store(b, at, v), rbuf, res)
         if grad:  # a loop of forwards alone adds nothing
-            gf, gs, gl = grads
-            if repeats == 1:
-                gs = _add(gs, ds)
-            else:
-                gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
-            grads = (_add(gf, df), gs, _add(gl, dl))
+            grads = _summed(grads, deltas, r, repeats)
         return (xbuf, gbuf, rbuf, grads, total + loss), y, gx, aux
 
-    def send(y, gx, send_f=True, send_b=True):
-        nothing = fill(ctx.h, ctx.axes)
+    def send(self, y, gx, send_f=True, send_b=True):
+        ctx, stages = self.ctx, self.ctx.num_stages
+        axis, nothing = ctx.pipe.stage_axis, fill(ctx.h, ctx.axes)
         f_msg = lax.ppermute(y, axis, ring(stages, 1)) if send_f else nothing
         b_msg = lax.ppermute(gx, axis, ring(stages, -1)) if send_b else nothing
         return f_msg, b_msg
 
-    def tick(carry, _, send_f=True, send_b=True, grad=True):
+    def tick(self, carry, _, send_f=True, send_b=True, grad=True):
         t, *state, f_msg, b_msg = carry
-        _, _, _, x_store, g_store, *_ = cells.at(t, ctx.stage)
-        state, y, gx, aux = slot_op(t, state, x_store, g_store, f_msg, b_msg, grad)
-        f_msg, b_msg = send(y, gx, send_f, send_b)
+        _, _, _, x_store, g_store, *_ = self.cells.at(t, self.ctx.stage)
+        state, y, gx, aux = self.op(t, state, x_store, g_store, f_msg, b_msg, grad)
+        f_msg, b_msg = self.send(y, gx, send_f, send_b)
         return (t + 1, *state, f_msg, b_msg), aux
 
-    def pair(carry, _):
-        # Forwards on even ticks, backwards on odd ones (interleaved 1F1B):
-        # no message crosses within a pair, so one step runs both, with one
-        # ppermute per direction. The stage output sent at the even tick
-        # waits for the next step, as the cotangent of the odd tick does.
+    def pair(self, carry, _):
+        """Forwards on even ticks, backwards on odd ones (interleaved 1F1B):
+        no message crosses within a pair, so one step runs both, with one
+        ``ppermute`` per direction. The stage output sent at the even tick
+        waits for the next step, as the cotangent of the odd tick does."""
         t, *state, f_msg, b_msg = carry
-        x_store = cells.at(jnp.maximum(t - 1, 0), ctx.stage)[3]
-        g_store = cells.at(t, ctx.stage)[4]
-        state, y, _, aux_f = slot_op(
+        x_store = self.cells.at(jnp.maximum(t - 1, 0), self.ctx.stage)[3]
+        g_store = self.cells.at(t, self.ctx.stage)[4]
+        state, y, _, aux_f = self.op(
             t, state, x_store, g_store, f_msg, b_msg, grad=False
         )  # a forward adds no gradient
-        state, _, gx, aux_b = slot_op(t + 1, state, None, None, f_msg, b_msg)
-        f_msg, b_msg = send(y, gx)
+        state, _, gx, aux_b = self.op(t + 1, state, None, None, f_msg, b_msg)
+        f_msg, b_msg = self.send(y, gx)
         aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_f, aux_b)
         return (t + 2, *state, f_msg, b_msg), aux
 
-    h = fill(ctx.h, ctx.axes)
-    init = (
-        jnp.int32(0),
-        buffer(layout.nx, ctx.h),
-        buffer(layout.ng, ctx.h),
-        rbuf,
-        accumulators(ctx, (fp, sps[0] if repeats == 1 else sp, lp)),
-        no_loss(ctx),
-        h,
-        h,
-    )
-    if paired(table):
-        carry, auxs = lax.scan(pair, init, length=table.num_ticks // 2)
-        *_, (gf, gs, gl), total, _, _ = carry
-        auxs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), auxs)
-        return total, _stacked((gf, gs, gl), repeats), auxs
-    carry, auxs = init, []
-    for start, stop, send_f, send_b in phases(table, split):
-        grad = bool(np.isin(table.op[start:stop], (BACKWARD, INPUT, WEIGHT)).any())
-        body = functools.partial(tick, send_f=send_f, send_b=send_b, grad=grad)
-        carry, out = lax.scan(body, carry, length=stop - start)
-        auxs.append(out)
-    *_, grads, total, _, _ = carry
-    auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *auxs)
-    return total, _stacked(grads, repeats), auxs
+
+def _summed(grads: tuple, deltas: tuple, r: jax.Array, repeats: int) -> tuple:
+    """The sums plus an op's gradients (the stages' at repeat ``r``)."""
+    (gf, gs, gl), (df, ds, dl) = grads, deltas
+    if repeats == 1:
+        gs = _add(gs, ds)
+    else:
+        gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
+    return _add(gf, df), gs, _add(gl, dl)
 
 
 def _stacked(grads: tuple, repeats: int) -> tuple:
@@ -503,30 +411,3 @@ def _stacked(grads: tuple, repeats: int) -> tuple:
     if repeats == 1:
         gs = jax.tree.map(lambda g: g[None], gs)
     return gf, gs, gl
-
-
-def paired(table: sched.ScheduleTable) -> bool:
-    """Forwards only on even ticks and whole backwards only on odd ones."""
-    even, odd = table.op[0::2], table.op[1::2]
-    return (
-        table.num_ticks % 2 == 0
-        and bool(np.isin(even, (IDLE, FORWARD)).all())
-        and bool(np.isin(odd, (IDLE, BACKWARD)).all())
-    )
-
-
-def phases(table: sched.ScheduleTable, split: bool) -> list[tuple]:
-    """``(start, stop, forward sends, backward sends)`` per loop: a table
-    whose backward ops all follow its forward ops (GPipe, circular) runs as
-    two loops, each with only its direction's ``ppermute``; any other, one."""
-    stages = table.op.shape[1]
-    j = table.repeat * stages + np.arange(stages)
-    last = stages * (int(table.repeat.max()) + 1) - 1
-    back = INPUT if split else BACKWARD
-    f = ((table.op == FORWARD) & (j < last)).any(axis=1)
-    b = ((table.op == back) & (j > 0)).any(axis=1)
-    ticks = table.num_ticks
-    p = int(np.nonzero(b)[0][0]) if b.any() else ticks
-    if 0 < p < ticks and not f[p:].any():
-        return [(0, p, True, False), (p, ticks, False, True)]
-    return [(0, ticks, True, True)]

@@ -5,7 +5,7 @@
 The table (`_schedule._zero_bubble_h1`) says, per tick and device, F, B, W
 or nothing. `_loop` runs it with ``split=True``: F linearizes the stage once
 and keeps its residuals in a slot (the parameters among them are not kept:
-`_loop.probe` reads from the traced program which residuals are the
+`_plan.probe` reads from the traced program which residuals are the
 parameters themselves, and W puts the current ones back); B takes only the
 input cotangent from them and keeps the stage output's cotangent; W takes
 only the stage weights' gradient. The last stage linearizes at B, where its
