@@ -8,7 +8,9 @@ set before JAX starts). For each width and M: the library's GPipe, 1F1B and
 ZB-H1 (`optax_accum.pipeline.value_and_grad`), the hand-written floors of
 the same schedules (`pipeline_floors`), the pipeline-free run (4 devices,
 M/4 micro-batches each) and the sequential model, timed in one process in
-interleaved rounds. Each time is a median ratio over rounds (25th-75th
+interleaved rounds. The pipelines take the stage parameters placed one stage
+per device (``P("stage")``), as a user keeps them, so no schedule gathers its
+gradients to every device after the loop. Each time is a median ratio over rounds (25th-75th
 percentiles in brackets); temp memory is ``memory_analysis()``'s. The
 op costs are `optax_accum.pipeline.measure_costs` (compiled FLOPs).
 
@@ -114,6 +116,8 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
     import jax
     import numpy as np
     import pipeline_floors as floors
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from optax_accum import pipeline as pl
     from tests.pipeline import models as md
@@ -122,6 +126,10 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
     params, batch = md.make(STAGES, rows=ROWS * m, width=width)
     batch["mask"] = np.ones_like(batch["mask"])
     fns = {}
+    # The pipelines take the stage parameters where a user keeps them, one
+    # stage per device (P("stage")), so their gradients come back there; the
+    # runs without a stage axis take them whole.
+    whole = {"pipeline-free", "sequential"}
     for lib, floor in PAIRS:
         fns[lib] = pl.value_and_grad(
             md.first_fn, md.stage_fn, md.loss_fn, m, schedule=lib
@@ -131,13 +139,17 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
     fns["sequential"] = floors.sequential()
     out: dict[str, Any] = {"width": width, "M": m, "temp_bytes": {}}
     with jax.set_mesh(mesh):
+        fp, sp, lp = params
+        staged = (fp, jax.device_put(sp, NamedSharding(mesh, P("stage"))), lp)
+        args = {n: params if n in whole else staged for n in fns}
         compiled = {
-            n: jax.jit(f).lower(params, batch).compile() for n, f in fns.items()
+            n: jax.jit(f).lower(args[n], batch).compile() for n, f in fns.items()
         }
         for n, c in compiled.items():
             out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
         times = harness.interleaved(
-            {n: (lambda c=c: c(params, batch)) for n, c in compiled.items()}, rounds
+            {n: (lambda c=c, n=n: c(args[n], batch)) for n, c in compiled.items()},
+            rounds,
         )
     out["seconds"] = {n: harness.median(t) for n, t in times.items()}
     ratio = {}
@@ -157,6 +169,9 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
     out["costs"] = list(
         pl.measure_costs(md.first_fn, md.stage_fn, md.loss_fn, params, batch, m)
     )
+    out["ticks"] = {
+        lib: pl.schedule_table(lib, STAGES, m).num_ticks for lib, _ in PAIRS
+    }
     out["time_bubble"] = {
         lib: pl.bubble_fraction(lib, STAGES, m, costs=out["costs"]) for lib, _ in PAIRS
     }
@@ -200,7 +215,9 @@ def markdown(data: dict[str, Any]) -> str:
         f"micro-batch; median of {data['rounds']} interleaved rounds "
         "[25th-75th percentile]. A floor is the hand-written `shard_map` of the "
         "same schedule (`benchmarks/pipeline_floors.py`); the pipeline-free run "
-        "gives each of the 4 devices M/4 micro-batches of the whole model.",
+        "gives each of the 4 devices M/4 micro-batches of the whole model. "
+        "Stage parameters placed `P(\"stage\")`; ticks are the schedule's "
+        "loop steps.",
         "",
     ]
     header = [
@@ -234,6 +251,7 @@ def markdown(data: dict[str, Any]) -> str:
             c["width"],
             c["M"],
             _r(c["ratios"]["zb_h1 / 1f1b"]),
+            _ticks(c),
             _r(c["ratios"]["floor gpipe / sequential"]),
             _r(c["ratios"]["pipeline-free / sequential"]),
             ", ".join(f"{x:.2f}" for x in c["costs"]),
@@ -245,15 +263,24 @@ def markdown(data: dict[str, Any]) -> str:
             "width",
             "M",
             "ZB-H1 / 1F1B",
+            "ticks ZB-H1 / 1F1B",
             "floor GPipe / sequential",
             "pipeline-free / sequential",
             "measured (f, b, w)",
         ],
         rows,
-        "rrrrrr",
+        "rrrrrrr",
     )
     lines += _repeated_table(data.get("repeated", []))
     return "\n".join(lines) + "\n"
+
+
+def _ticks(case: dict[str, Any]) -> str:
+    """ZB-H1's loop steps over 1F1B's (older results have none)."""
+    ticks = case.get("ticks")
+    if not ticks:
+        return "-"
+    return f"{ticks['zb_h1']} / {ticks['1f1b']} = {ticks['zb_h1'] / ticks['1f1b']:.2f}"
 
 
 def _repeated_table(cases: list[dict[str, Any]]) -> list[str]:
