@@ -10,9 +10,10 @@ the same schedules (`pipeline_floors`), the pipeline-free run (4 devices,
 M/4 micro-batches each) and the sequential model, timed in one process in
 interleaved rounds. The pipelines take the stage parameters placed one stage
 per device (``P("stage")``), as a user keeps them, so no schedule gathers its
-gradients to every device after the loop. Each time is a median ratio over rounds (25th-75th
-percentiles in brackets); temp memory is ``memory_analysis()``'s. The
-op costs are `optax_accum.pipeline.measure_costs` (compiled FLOPs).
+gradients to every device after the loop. Each time is a median ratio over
+rounds (25th-75th percentiles in brackets); temp memory is
+``memory_analysis()``'s. The op costs are
+`optax_accum.pipeline.measure_costs` (compiled FLOPs).
 
 Run: ``python benchmarks/bench_pipeline_floors.py [--quick] [--out DIR]``.
 """
@@ -216,7 +217,7 @@ def markdown(data: dict[str, Any]) -> str:
         "[25th-75th percentile]. A floor is the hand-written `shard_map` of the "
         "same schedule (`benchmarks/pipeline_floors.py`); the pipeline-free run "
         "gives each of the 4 devices M/4 micro-batches of the whole model. "
-        "Stage parameters placed `P(\"stage\")`; ticks are the schedule's "
+        'Stage parameters placed `P("stage")`; ticks are the schedule\'s '
         "loop steps.",
         "",
     ]
