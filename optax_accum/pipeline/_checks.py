@@ -26,6 +26,15 @@ from ._step import Pipeline
 STAGE_LAYOUTS = ("stacked", "repeats_by_stage")
 
 
+def stage_layout(layout: Any) -> str:
+    """``layout``, once it is one of `STAGE_LAYOUTS` (a ValueError if not)."""
+    if layout not in STAGE_LAYOUTS:
+        raise ValueError(
+            f"`stage_layout` must be one of {STAGE_LAYOUTS}, got {layout!r}."
+        )
+    return layout
+
+
 def options(pipe: Pipeline) -> Pipeline:
     """``pipe``, once its options are checked (construction time)."""
     for name in ("first_fn", "stage_fn", "loss_fn"):
@@ -44,10 +53,7 @@ def options(pipe: Pipeline) -> Pipeline:
             "device), got `repeats`=1: with one stage per device it is 1F1B; "
             "pass `schedule='1f1b'`, or `repeats=2` or more."
         )
-    if pipe.stage_layout not in STAGE_LAYOUTS:
-        raise ValueError(
-            f"`stage_layout` must be one of {STAGE_LAYOUTS}, got {pipe.stage_layout!r}."
-        )
+    stage_layout(pipe.stage_layout)
     data_axes = _checks.axis_names(pipe.data_axes, "data_axes")
     if data_axes is not None and pipe.stage_axis in data_axes:
         raise ValueError(

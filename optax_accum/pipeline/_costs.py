@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _checks
+
 
 class Costs(NamedTuple):
     """A stage's op costs relative to its forward: ``(f, b, w)``, ``f`` = 1.
@@ -77,11 +79,7 @@ def _checked(params: Any, batch: Any, num_microbatches: Any, stage_layout: Any) 
             f"`num_microbatches`={m} must divide the rows of every `batch` "
             f"leaf; got rows {sorted(rows)}."
         )
-    if stage_layout not in ("stacked", "repeats_by_stage"):
-        raise ValueError(
-            "`stage_layout` must be 'stacked' or 'repeats_by_stage', got "
-            f"{stage_layout!r}."
-        )
+    _checks.stage_layout(stage_layout)
     return m
 
 
