@@ -50,6 +50,22 @@ def two_layers(sp, h):
     return h
 
 
+def _compiled_and_timed(
+    fns: dict, args: dict, batch: Any, rounds: int, out: dict[str, Any]
+) -> dict[str, list[float]]:
+    """Compile each ``fns[n]`` for ``(args[n], batch)``, put its temp bytes
+    in ``out["temp_bytes"]`` and time them all in interleaved rounds."""
+    import jax
+
+    compiled = {n: jax.jit(f).lower(args[n], batch).compile() for n, f in fns.items()}
+    for n, c in compiled.items():
+        out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
+    return harness.interleaved(
+        {n: (lambda c=c, n=n: c(args[n], batch)) for n, c in compiled.items()},
+        rounds,
+    )
+
+
 def repeated(width: int, m: int, rounds: int) -> dict[str, Any]:
     """Circular and interleaved 1F1B against two-layer GPipe and 1F1B."""
     import jax
@@ -94,15 +110,7 @@ def repeated(width: int, m: int, rounds: int) -> dict[str, Any]:
         }
         for n in fns:
             args[n] = placed["repeats" if n in dict(REPEATED) else "stages"]
-        compiled = {
-            n: jax.jit(f).lower(args[n], batch).compile() for n, f in fns.items()
-        }
-        for n, c in compiled.items():
-            out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
-        times = harness.interleaved(
-            {n: (lambda c=c, n=n: c(args[n], batch)) for n, c in compiled.items()},
-            rounds,
-        )
+        times = _compiled_and_timed(fns, args, batch, rounds, out)
     out["seconds"] = {n: harness.median(t) for n, t in times.items()}
     out["ratios"] = {}
     for lib, base in REPEATED:
@@ -143,15 +151,7 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
         fp, sp, lp = params
         staged = (fp, jax.device_put(sp, NamedSharding(mesh, P("stage"))), lp)
         args = {n: params if n in whole else staged for n in fns}
-        compiled = {
-            n: jax.jit(f).lower(args[n], batch).compile() for n, f in fns.items()
-        }
-        for n, c in compiled.items():
-            out["temp_bytes"][n] = int(c.memory_analysis().temp_size_in_bytes)
-        times = harness.interleaved(
-            {n: (lambda c=c, n=n: c(args[n], batch)) for n, c in compiled.items()},
-            rounds,
-        )
+        times = _compiled_and_timed(fns, args, batch, rounds, out)
     out["seconds"] = {n: harness.median(t) for n, t in times.items()}
     ratio = {}
     for lib, _ in PAIRS:
