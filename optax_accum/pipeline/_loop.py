@@ -71,9 +71,24 @@ def _add(acc: Any, d: Any) -> Any:
 
 
 def _add_at(stack: jax.Array, r: jax.Array, d: jax.Array) -> jax.Array:
-    """``stack[r] += d`` in place (a dynamic update of the carry)."""
-    old = lax.dynamic_index_in_dim(stack, r, 0, False)
-    return lax.dynamic_update_index_in_dim(stack, _add(old, d), r, 0)
+    """``stack[r] += d``, as `_add` rounds it, updating the carry in place.
+
+    Where the stack, ``d`` and their arithmetic share one dtype, a
+    scatter-add touches the repeat's slab alone. A narrower stack (or
+    ``d``) is added in `_add`'s wider dtype over the whole stack, selected
+    at ``r``. Not a dynamic slice then a dynamic update: the CPU compiler
+    kept the slice as a weight-sized temporary buffer, where these two
+    forms update the carry in place.
+    """
+    if stack.dtype == d.dtype == _dtypes.compute(stack.dtype):
+        return stack.at[r].add(d)
+    hit = (jnp.arange(stack.shape[0]) == r).reshape(-1, *([1] * d.ndim))
+    return jnp.where(hit, _add(stack, d[None]), stack)
+
+
+def _repeat(sp: Any, r: int) -> Any:
+    """Repeat ``r``'s stage parameters, out of the ``(R, ...)`` stack."""
+    return jax.tree.map(lambda v: v[r], sp)
 
 
 def _get(buf: Any, slot: jax.Array) -> Any:
@@ -140,7 +155,7 @@ class _Slot:
 
         def run(params, x_in, g_in, res_in, m):
             fp, sps, lp = params
-            sp = sps[r]
+            sp = _repeat(sps, r)
             if frozen:  # weight 0 with has_aux: values only, no gradient
                 fp, sp, lp, x_in = lax.stop_gradient((fp, sp, lp, x_in))
             gf, gs, gl = (self.nil(t) for t in (fp, sp, lp))
@@ -253,7 +268,7 @@ def _switch(leaves: list):
 def _idle(variant, params, x_in, g_in, res_in, m, *, ctx):
     nothing = fill(ctx.h, ctx.axes)
     fp, sps, lp = params
-    deltas = zeros(jax.tree.map(jax.typeof, (fp, sps[0], lp)), ctx.axes)
+    deltas = zeros(jax.tree.map(jax.typeof, (fp, _repeat(sps, 0), lp)), ctx.axes)
     aux = zeros(ctx.aux, ctx.axes)
     return nothing, nothing, res_in, jnp.bool_(False), deltas, no_loss(ctx), aux
 
@@ -301,17 +316,17 @@ class _Ticks:
     def __init__(self, ctx: Local, params: tuple, table, split: bool):
         fp, sp, lp = params
         repeats = ctx.pipe.repeats
-        # One tree per repeat, sliced once here rather than every tick.
-        self.sps = tuple(jax.tree.map(lambda v, r=r: v[r], sp) for r in range(repeats))
+        # The (R, ...) stack as it came: each branch slices its own repeat
+        # (a static slice), so the loop holds no second copy of the stack.
         self.ctx, self.split = ctx, split
-        self.params = (fp, self.sps, lp)
-        self.sums_like = (fp, self.sps[0] if repeats == 1 else sp, lp)
+        self.params = (fp, sp, lp)
+        self.sums_like = (fp, _repeat(sp, 0) if repeats == 1 else sp, lp)
         self.layout = plan(table, split)
         self.cells = Cells(self.layout.cells)
         self.residuals = None
         if split:
             stage = _Slot(ctx, split, None).stage(jnp.zeros((), jnp.int32), 0)
-            self.residuals = probe(stage, self.sps[0], zeros(ctx.h, ctx.axes))
+            self.residuals = probe(stage, _repeat(sp, 0), zeros(ctx.h, ctx.axes))
         branches, variants = _dispatch(ctx, split, _Slot(ctx, split, self.residuals))
         branches[IDLE] = functools.partial(_idle, ctx=ctx)
         self.branches = [b if b is not None else branches[IDLE] for b in branches]
