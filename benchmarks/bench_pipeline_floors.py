@@ -160,6 +160,9 @@ def case(width: int, m: int, rounds: int) -> dict[str, Any]:
             times, lib, "pipeline-free"
         )._asdict()
     ratio["zb_h1 / 1f1b"] = harness.ratio(times, "zb_h1", "1f1b")._asdict()
+    ratio["floor zb_h1 / floor 1f1b"] = harness.ratio(
+        times, "floor zb_h1", "floor 1f1b"
+    )._asdict()
     ratio["floor gpipe / sequential"] = harness.ratio(
         times, "floor gpipe", "sequential"
     )._asdict()
@@ -246,34 +249,44 @@ def markdown(data: dict[str, Any]) -> str:
                 ]
             )
     lines += harness.table(header, rows, "rrlrrrr")
-    lines += ["", "Context:", ""]
-    rows = [
-        [
-            c["width"],
-            c["M"],
-            _r(c["ratios"]["zb_h1 / 1f1b"]),
-            _ticks(c),
-            _r(c["ratios"]["floor gpipe / sequential"]),
-            _r(c["ratios"]["pipeline-free / sequential"]),
-            ", ".join(f"{x:.2f}" for x in c["costs"]),
-        ]
-        for c in data["cases"]
-    ]
-    lines += harness.table(
-        [
-            "width",
-            "M",
-            "ZB-H1 / 1F1B",
-            "ticks ZB-H1 / 1F1B",
-            "floor GPipe / sequential",
-            "pipeline-free / sequential",
-            "measured (f, b, w)",
-        ],
-        rows,
-        "rrrrrrr",
-    )
+    lines += _context_table(data["cases"])
     lines += _repeated_table(data.get("repeated", []))
     return "\n".join(lines) + "\n"
+
+
+def _context_table(cases: list[dict[str, Any]]) -> list[str]:
+    """ZB-H1 against 1F1B (library and floors), and the runs without a
+    pipeline against the sequential model."""
+    rows = []
+    for c in cases:
+        t = c["temp_bytes"]
+        floors = c["ratios"].get("floor zb_h1 / floor 1f1b")
+        temp = t["zb_h1"] / t["1f1b"], t["floor zb_h1"] / t["floor 1f1b"]
+        rows.append(
+            [
+                c["width"],
+                c["M"],
+                _r(c["ratios"]["zb_h1 / 1f1b"]),
+                _r(floors) if floors else "n/a",
+                _ticks(c),
+                "{:.2f} ({:.2f})".format(*temp),
+                _r(c["ratios"]["floor gpipe / sequential"]),
+                _r(c["ratios"]["pipeline-free / sequential"]),
+                ", ".join(f"{x:.2f}" for x in c["costs"]),
+            ]
+        )
+    header = [
+        "width",
+        "M",
+        "time ZB-H1 / 1F1B",
+        "time floor ZB-H1 / floor 1F1B",
+        "ticks ZB-H1 / 1F1B",
+        "temp ZB-H1 / 1F1B (floors)",
+        "floor GPipe / sequential",
+        "pipeline-free / sequential",
+        "measured (f, b, w)",
+    ]
+    return ["", "Context:", "", *harness.table(header, rows, "rrrrrrrrr")]
 
 
 def _ticks(case: dict[str, Any]) -> str:

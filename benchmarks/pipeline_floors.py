@@ -148,6 +148,69 @@ def _one_f_one_b_cells(stages: int, m: int):
     return [np.asarray(a, np.int32) for a in (branch, np.maximum(mb, 0), in_x, in_g)], k
 
 
+def _varying(axis: str):
+    """``var(x)``: ``x`` marked varying over ``axis`` (as it is already, or
+    by ``pcast``), so every branch returns per-device values."""
+
+    def var(x):
+        if axis in jax.typeof(x).mat.varying:
+            return x
+        return lax.pcast(x, axis, to="varying")
+
+    return var
+
+
+def _arrive(buf, slot, msg):
+    """``buf[slot] = msg`` where a message arrives (``slot >= 0``)."""
+    i = jnp.maximum(slot, 0)
+    return buf.at[i].set(jnp.where(slot >= 0, msg, buf[i]))
+
+
+def _rings(stages: int):
+    fwd = [(i, (i + 1) % stages) for i in range(stages)]
+    bwd = [(i, (i - 1) % stages) for i in range(stages)]
+    return fwd, bwd
+
+
+def _staged(mesh, axis: str, local):
+    """``vg(params, batch)``: ``local(fp, sp, lp, batch)`` in a shard_map
+    with the stages one a device, their gradients returned so."""
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(axis), P(), P()),
+        out_specs=(P(), (P(), P(axis), P())),
+    )
+
+    def vg(params, batch):
+        fp, sp, lp = params
+        return run(fp, jax.reshard(sp, P(axis)), lp, batch)
+
+    return vg
+
+
+def _summed(loss, grads, axis: str):
+    """Per-device loss and gradients to the floor's outputs: one psum at
+    the end (none inside a branch); the stage's gradient stays local."""
+    gf, gs, gl = grads
+    gs = jax.tree.map(lambda v: v[None], gs)
+    return lax.psum(loss, axis), (lax.psum(gf, axis), gs, lax.psum(gl, axis))
+
+
+def _locals(axis, fp, sp, lp, batch, m):
+    """What every floor's local function starts from: ``(var, mbs, h,
+    (fp, sp, lp), zeros, nil, no_loss)``."""
+    var = _varying(axis)
+    sp = jax.tree.map(lambda v: v[0], sp)
+    mbs = _microbatches(batch, m)
+    h = jax.eval_shape(md.first_fn, fp, jax.tree.map(lambda v: v[0], mbs))
+    fp, lp = jax.tree.map(var, (fp, lp))
+    zeros = jax.tree.map(lambda v: var(jnp.zeros_like(v)), (fp, sp, lp))
+    nil = var(jnp.zeros(h.shape, h.dtype))
+    no_loss = var(jnp.zeros((), h.dtype))
+    return var, mbs, h, (fp, sp, lp), zeros, nil, no_loss
+
+
 def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.stage_fn):
     """``vg(params, batch) -> (loss, grads)``: 1F1B by hand on ``axis``: one
     ``lax.switch`` per tick (the op and the device's role), a backward
@@ -155,26 +218,14 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.st
     stages = mesh.shape[axis]
     m = num_microbatches
     cells, k = _one_f_one_b_cells(stages, m)
-    fwd = [(i, (i + 1) % stages) for i in range(stages)]
-    bwd = [(i, (i - 1) % stages) for i in range(stages)]
+    fwd, bwd = _rings(stages)
 
     def local(fp, sp, lp, batch):
         s = lax.axis_index(axis)
-        sp = jax.tree.map(lambda v: v[0], sp)
-        mbs = _microbatches(batch, m)
+        var, mbs, h, (fp, sp, lp), zeros, nil, no_loss = _locals(
+            axis, fp, sp, lp, batch, m
+        )
         branch, mb_of, in_x, in_g = (jnp.asarray(c) for c in cells)
-        h = jax.eval_shape(md.first_fn, fp, jax.tree.map(lambda v: v[0], mbs))
-
-        def var(x):
-            if axis in jax.typeof(x).mat.varying:
-                return x
-            return lax.pcast(x, axis, to="varying")
-
-        # Per-device cotangents (no psum inside a branch): one psum at the end.
-        fp, lp = jax.tree.map(var, (fp, lp))
-        zeros = jax.tree.map(lambda v: var(jnp.zeros_like(v)), (fp, sp, lp))
-        nil = var(jnp.zeros(h.shape, h.dtype))
-        no_loss = var(jnp.zeros((), h.dtype))
 
         def idle(x, g, mb):
             return nil, nil, zeros, no_loss
@@ -208,13 +259,7 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.st
 
         def tick(carry, t):
             xs, gs, f_msg, b_msg, grads, loss = carry
-            ix, ig = in_x[t, s], in_g[t, s]
-            xs = xs.at[jnp.maximum(ix, 0)].set(
-                jnp.where(ix >= 0, f_msg, xs[jnp.maximum(ix, 0)])
-            )
-            gs = gs.at[jnp.maximum(ig, 0)].set(
-                jnp.where(ig >= 0, b_msg, gs[jnp.maximum(ig, 0)])
-            )
+            xs, gs = _arrive(xs, in_x[t, s], f_msg), _arrive(gs, in_g[t, s], b_msg)
             j = mb_of[t, s]
             mb = jax.tree.map(lambda v: v[j], mbs)
             y, gx, d, dl = lax.switch(branch[t, s], branches, xs[j % k], gs[j % k], mb)
@@ -224,24 +269,12 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.st
             return (xs, gs, f_msg, b_msg, grads, loss + dl), None
 
         buf = var(jnp.zeros((k, *h.shape), h.dtype))
-        init = (buf, buf, nil, nil, zeros, var(jnp.zeros((), h.dtype)))
+        init = (buf, buf, nil, nil, zeros, no_loss)
         ticks = cells[0].shape[0]
-        (_, _, _, _, (gf, gs, gl), loss), _ = lax.scan(tick, init, jnp.arange(ticks))
-        gs = jax.tree.map(lambda v: v[None], gs)
-        return lax.psum(loss, axis), (lax.psum(gf, axis), gs, lax.psum(gl, axis))
+        (*_, grads, loss), _ = lax.scan(tick, init, jnp.arange(ticks))
+        return _summed(loss, grads, axis)
 
-    run = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P(), P(axis), P(), P()),
-        out_specs=(P(), (P(), P(axis), P())),
-    )
-
-    def vg(params, batch):
-        fp, sp, lp = params
-        return run(fp, jax.reshard(sp, P(axis)), lp, batch)
-
-    return vg
+    return _staged(mesh, axis, local)
 
 
 def _zb_cells(stages: int, m: int):
@@ -280,6 +313,57 @@ def _zb_cells(stages: int, m: int):
     return [np.asarray(a, np.int32) for a in (branch, np.maximum(mb, 0), in_x, in_g)], k
 
 
+def _zb_branches(params, mb_count: int, zeros, nil, no_loss) -> list:
+    """ZB-H1's branches for the residual stage, each ``(x, g, t, u, mb) ->
+    (y, gx, x', t', u', grads, loss)``; ``x', t', u'`` go back to the
+    micro-batch's slots."""
+    fp, sp, lp = params
+
+    def idle(x, g, t, u, mb):
+        return nil, nil, x, t, u, zeros, no_loss
+
+    def forward(x):
+        t = jnp.tanh(x @ sp["w"] + sp["b"])
+        return x + t, t
+
+    def f_first(x, g, t, u, mb):
+        x = md.first_fn(fp, mb)
+        y, t = forward(x)
+        return y, nil, x, t, u, zeros, no_loss
+
+    def f_mid(x, g, t, u, mb):
+        y, t = forward(x)
+        return y, nil, x, t, u, zeros, no_loss
+
+    def input_grad(g, t):
+        u = g * (1 - t * t)
+        return g + u @ sp["w"].T, u
+
+    def b_first(x, g, t, u, mb):
+        gx, u = input_grad(g, t)
+        (gf,) = jax.vjp(lambda fp: md.first_fn(fp, mb), fp)[1](gx)
+        return nil, nil, x, t, u, (gf, zeros[1], zeros[2]), no_loss
+
+    def b_mid(x, g, t, u, mb):
+        gx, u = input_grad(g, t)
+        return nil, gx, x, t, u, zeros, no_loss
+
+    def b_last(x, g, t, u, mb):
+        def head(lp, y):
+            return md.loss_fn(lp, y, mb) / mb_count
+
+        loss, vjp = jax.vjp(head, lp, x + t)
+        gl, gy = vjp(jnp.ones_like(loss))
+        gx, u = input_grad(gy, t)
+        return nil, gx, x, t, u, (zeros[0], zeros[1], gl), loss
+
+    def weight(x, g, t, u, mb):
+        gs = {"w": x.T @ u, "b": u.sum(0)}
+        return nil, nil, x, t, u, (zeros[0], gs, zeros[2]), no_loss
+
+    return [idle, f_first, f_mid, b_first, b_mid, b_last, weight]
+
+
 def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
     """``vg(params, batch) -> (loss, grads)``: ZB-H1 by hand for the tests'
     residual stage ``h + tanh(h W + b)``. F keeps ``t = tanh(h W + b)``;
@@ -289,78 +373,18 @@ def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
     stages = mesh.shape[axis]
     m = num_microbatches
     cells, k = _zb_cells(stages, m)
-    fwd = [(i, (i + 1) % stages) for i in range(stages)]
-    bwd = [(i, (i - 1) % stages) for i in range(stages)]
+    fwd, bwd = _rings(stages)
 
     def local(fp, sp, lp, batch):
         s = lax.axis_index(axis)
-        sp = jax.tree.map(lambda v: v[0], sp)
-        mbs = _microbatches(batch, m)
+        var, mbs, h, params, zeros, nil, no_loss = _locals(axis, fp, sp, lp, batch, m)
         branch, mb_of, in_x, in_g = (jnp.asarray(c) for c in cells)
-        h = jax.eval_shape(md.first_fn, fp, jax.tree.map(lambda v: v[0], mbs))
-
-        def var(x):
-            if axis in jax.typeof(x).mat.varying:
-                return x
-            return lax.pcast(x, axis, to="varying")
-
-        fp, lp = jax.tree.map(var, (fp, lp))
-        zeros = jax.tree.map(lambda v: var(jnp.zeros_like(v)), (fp, sp, lp))
-        nil = var(jnp.zeros(h.shape, h.dtype))
-        no_loss = var(jnp.zeros((), h.dtype))
-
-        # Each branch: (x, g, t, u, mb) -> (y, gx, x', t', u', grads, loss);
-        # x', t', u' are written back to the micro-batch's slots.
-        def idle(x, g, t, u, mb):
-            return nil, nil, x, t, u, zeros, no_loss
-
-        def forward(x):
-            t = jnp.tanh(x @ sp["w"] + sp["b"])
-            return x + t, t
-
-        def f_first(x, g, t, u, mb):
-            x = md.first_fn(fp, mb)
-            y, t = forward(x)
-            return y, nil, x, t, u, zeros, no_loss
-
-        def f_mid(x, g, t, u, mb):
-            y, t = forward(x)
-            return y, nil, x, t, u, zeros, no_loss
-
-        def input_grad(g, t):
-            u = g * (1 - t * t)
-            return g + u @ sp["w"].T, u
-
-        def b_first(x, g, t, u, mb):
-            gx, u = input_grad(g, t)
-            (gf,) = jax.vjp(lambda fp: md.first_fn(fp, mb), fp)[1](gx)
-            return nil, nil, x, t, u, (gf, zeros[1], zeros[2]), no_loss
-
-        def b_mid(x, g, t, u, mb):
-            gx, u = input_grad(g, t)
-            return nil, gx, x, t, u, zeros, no_loss
-
-        def b_last(x, g, t, u, mb):
-            loss, vjp = jax.vjp(lambda lp, y: md.loss_fn(lp, y, mb) / m, lp, x + t)
-            gl, gy = vjp(jnp.ones_like(loss))
-            gx, u = input_grad(gy, t)
-            return nil, gx, x, t, u, (zeros[0], zeros[1], gl), loss
-
-        def weight(x, g, t, u, mb):
-            gs = {"w": x.T @ u, "b": u.sum(0)}
-            return nil, nil, x, t, u, (zeros[0], gs, zeros[2]), no_loss
-
-        branches = [idle, f_first, f_mid, b_first, b_mid, b_last, weight]
+        branches = _zb_branches(params, m, zeros, nil, no_loss)
 
         def tick(carry, step):
             xs, gs, ts, us, f_msg, b_msg, grads, loss = carry
-            ix, ig = in_x[step, s], in_g[step, s]
-            xs = xs.at[jnp.maximum(ix, 0)].set(
-                jnp.where(ix >= 0, f_msg, xs[jnp.maximum(ix, 0)])
-            )
-            gs = gs.at[jnp.maximum(ig, 0)].set(
-                jnp.where(ig >= 0, b_msg, gs[jnp.maximum(ig, 0)])
-            )
+            xs = _arrive(xs, in_x[step, s], f_msg)
+            gs = _arrive(gs, in_g[step, s], b_msg)
             j = mb_of[step, s]
             i = j % k
             mb = jax.tree.map(lambda v: v[j], mbs)
@@ -376,20 +400,7 @@ def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
         buf = var(jnp.zeros((k, *h.shape), h.dtype))
         init = (buf, buf, buf, buf, nil, nil, zeros, no_loss)
         ticks = cells[0].shape[0]
-        out, _ = lax.scan(tick, init, jnp.arange(ticks))
-        gf, gsp, gl = out[6]
-        gsp = jax.tree.map(lambda v: v[None], gsp)
-        return lax.psum(out[7], axis), (lax.psum(gf, axis), gsp, lax.psum(gl, axis))
+        (*_, grads, loss), _ = lax.scan(tick, init, jnp.arange(ticks))
+        return _summed(loss, grads, axis)
 
-    run = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P(), P(axis), P(), P()),
-        out_specs=(P(), (P(), P(axis), P())),
-    )
-
-    def vg(params, batch):
-        fp, sp, lp = params
-        return run(fp, jax.reshard(sp, P(axis)), lp, batch)
-
-    return vg
+    return _staged(mesh, axis, local)
