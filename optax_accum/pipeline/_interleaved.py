@@ -11,10 +11,12 @@ previous one: the same two ``ppermute``s per tick.
 Where a value waits is data too: `_plan.plan` reads the table and gives every
 stage input and every pending cotangent a buffer slot for the ticks between
 its arrival and its backward (a slot freed is reused), so the buffers hold
-the table's most values in flight, O(S·r), flat in M. Each repeat's
-weights and gradient sum are their own arrays, split once before the loop,
-and the repeat is part of the dispatch index: no tick slices the stack.
-The runner (`_loop`) knows nothing of the schedule but the table.
+the table's most values in flight, O(S·r), flat in M. The repeat is part
+of the dispatch index: each branch takes its repeat's weights from the
+``(R, ...)`` stack with a static slice, and the gradient sums are one such
+stack updated in place at the repeat (`_sums`), so the loop holds no
+second copy of the stack. The runner (`_loop`) knows nothing of the
+schedule but the table.
 """
 
 from __future__ import annotations

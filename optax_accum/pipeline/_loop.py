@@ -27,7 +27,10 @@ Two ways to run a backward (``split``):
   last stage linearizes at B, where its loss's cotangent is.
 
 Gradients are summed in the accumulator dtype (`_dtypes`, per leaf), the
-model always evaluated at the parameters themselves.
+model always evaluated at the parameters themselves. Only a tick whose op
+returns a gradient touches the sums: its branch runs under a ``lax.cond``
+that adds in place, and every other tick (forwards, idle slots, a middle
+stage's B) passes them through, with no weight-sized zeros or adds.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import _dtypes, _sharding
+from .. import _sharding
 from . import _schedule as sched
 from ._plan import Residuals, paired, phases, plan, probe
 from ._step import (
@@ -54,36 +57,10 @@ from ._step import (
     ring,
     zeros,
 )
+from ._sums import accumulators, stacked, summed
 
 IDLE, FORWARD, BACKWARD = sched.IDLE, sched.FORWARD, sched.BACKWARD
 INPUT, WEIGHT = sched.INPUT, sched.WEIGHT
-
-
-def _add(acc: Any, d: Any) -> Any:
-    """``acc + d`` leaf by leaf in the accumulator's dtype (the arithmetic
-    at least float32, as `_dtypes.compute` says)."""
-
-    def add(a, g):
-        c = _dtypes.compute(a.dtype)
-        return (a.astype(c) + g.astype(c)).astype(a.dtype)
-
-    return jax.tree.map(add, acc, d)
-
-
-def _add_at(stack: jax.Array, r: jax.Array, d: jax.Array) -> jax.Array:
-    """``stack[r] += d``, as `_add` rounds it, updating the carry in place.
-
-    Where the stack, ``d`` and their arithmetic share one dtype, a
-    scatter-add touches the repeat's slab alone. A narrower stack (or
-    ``d``) is added in `_add`'s wider dtype over the whole stack, selected
-    at ``r``. Not a dynamic slice then a dynamic update: the CPU compiler
-    kept the slice as a weight-sized temporary buffer, where these two
-    forms update the carry in place.
-    """
-    if stack.dtype == d.dtype == _dtypes.compute(stack.dtype):
-        return stack.at[r].add(d)
-    hit = (jnp.arange(stack.shape[0]) == r).reshape(-1, *([1] * d.ndim))
-    return jnp.where(hit, _add(stack, d[None]), stack)
 
 
 def _repeat(sp: Any, r: int) -> Any:
@@ -136,18 +113,23 @@ class _Slot:
         """Zeros like ``tree``: a gradient this op does not add to."""
         return zeros(jax.tree.map(jax.typeof, tree), self.ctx.axes)
 
+    @property
+    def probed(self) -> Residuals:
+        """The split backward's residuals (only it keeps any)."""
+        if self.res is None:  # pragma: no cover - a whole backward keeps none
+            raise AssertionError("no residuals were probed for this runner.")
+        return self.res
+
     def kept(self, vjp) -> tuple:
-        leaves = jax.tree.leaves(vjp)
-        if len(leaves) != len(self.res.source):  # pragma: no cover - a probe bug
+        leaves, source = jax.tree.leaves(vjp), self.probed.source
+        if len(leaves) != len(source):  # pragma: no cover - a probe bug
             raise AssertionError("the stage's vjp differs from the probed one.")
-        return tuple(
-            self.vary(v) for v, j in zip(leaves, self.res.source, strict=True) if j < 0
-        )
+        return tuple(self.vary(v) for v, j in zip(leaves, source, strict=True) if j < 0)
 
     def rebuild(self, kept: tuple, sp: Any):
         pleaves, it = jax.tree.leaves(sp), iter(kept)
-        leaves = [pleaves[j] if j >= 0 else next(it) for j in self.res.source]
-        return jax.tree.unflatten(self.res.treedef, leaves)
+        leaves = [pleaves[j] if j >= 0 else next(it) for j in self.probed.source]
+        return jax.tree.unflatten(self.probed.treedef, leaves)
 
     def branch(self, op: int, r: int, first: bool, last: bool, frozen: bool):
         """The op's code for this role: straight-line, one linearization."""
@@ -225,13 +207,24 @@ def _roles(stages: int, repeats: int) -> set[tuple[int, bool, bool]]:
     }
 
 
+def _adds(op: int, first: bool, last: bool, frozen: bool) -> bool:
+    """Whether the op's branch for this role returns a gradient: every whole
+    backward and W, and B where the stage embeds or ends in the loss (a
+    frozen micro-batch's never)."""
+    if frozen or op in (IDLE, FORWARD):
+        return False
+    return op != INPUT or first or last
+
+
 def _dispatch(ctx: Local, split: bool, slot: _Slot):
-    """``(branches, variants)``: per op a function ``(variant, *args)``, and
-    the ``(5, R, 2, 2, 2)`` table of the variant of (op, repeat, first,
-    last, frozen), -1 where the slot is idle."""
+    """``(branches, variants, adds)``: per op a function ``(variant,
+    *args)``, the ``(5, R, 2, 2, 2)`` table of the variant of (op, repeat,
+    first, last, frozen), -1 where the slot is idle, and the table of
+    whether that variant returns a gradient (`_adds`)."""
     repeats = ctx.pipe.repeats
     ops = (FORWARD, INPUT, WEIGHT) if split else (FORWARD, BACKWARD)
     variants = np.full((5, repeats, 2, 2, 2), -1, np.int32)
+    adds = np.zeros((5, repeats, 2, 2, 2), bool)
     branches = [None] * 5
     for op in ops:
         keys: list[tuple] = []
@@ -251,12 +244,13 @@ def _dispatch(ctx: Local, split: bool, slot: _Slot):
                     continue
                 if key not in keys:
                     keys.append(key)
-                variants[op, r, int(first), int(last), int(frozen)] = keys.index(key)
+                at = (op, r, int(first), int(last), int(frozen))
+                variants[at], adds[at] = keys.index(key), _adds(op, *key[1:])
         leaves = [slot.branch(op, *key) for key in keys]
         # None: no device runs this op alone (S = 1: the one stage is also
         # the last, whose forward is its backward's); `run` makes it idle.
         branches[op] = _switch(leaves) if leaves else None
-    return branches, variants
+    return branches, variants, adds
 
 
 def _switch(leaves: list):
@@ -271,19 +265,6 @@ def _idle(variant, params, x_in, g_in, res_in, m, *, ctx):
     deltas = zeros(jax.tree.map(jax.typeof, (fp, _repeat(sps, 0), lp)), ctx.axes)
     aux = zeros(ctx.aux, ctx.axes)
     return nothing, nothing, res_in, jnp.bool_(False), deltas, no_loss(ctx), aux
-
-
-def accumulators(ctx: Local, params: tuple) -> tuple:
-    """Zero gradient sums of ``(first, stages, last)`` in the accumulator
-    dtypes ``ctx.dtypes`` (the stages: one, or the ``(R, ...)`` stack)."""
-    fd, sd, ld = ctx.dtypes
-    fp, sp, lp = params
-
-    def zero(tree, dtypes):
-        like = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), tree, dtypes)
-        return zeros(like, ctx.axes)
-
-    return zero(fp, fd), zero(sp, sd), zero(lp, ld)
 
 
 def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
@@ -306,7 +287,7 @@ def run(ctx: Local, params: tuple, table: sched.ScheduleTable, split: bool):
             outs.append(out)
         auxs = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
     *_, grads, total, _, _ = carry
-    return total, _stacked(grads, repeats), auxs
+    return total, stacked(grads, repeats), auxs
 
 
 class _Ticks:
@@ -327,10 +308,21 @@ class _Ticks:
         if split:
             stage = _Slot(ctx, split, None).stage(jnp.zeros((), jnp.int32), 0)
             self.residuals = probe(stage, _repeat(sp, 0), zeros(ctx.h, ctx.axes))
-        branches, variants = _dispatch(ctx, split, _Slot(ctx, split, self.residuals))
-        branches[IDLE] = functools.partial(_idle, ctx=ctx)
-        self.branches = [b if b is not None else branches[IDLE] for b in branches]
-        self.variants = jnp.asarray(variants)
+        branches, variants, adds = _dispatch(
+            ctx, split, _Slot(ctx, split, self.residuals)
+        )
+        idle = branches[IDLE] = functools.partial(_idle, ctx=ctx)
+        branches = [b if b is not None else idle for b in branches]
+        self.variants, self.adds = jnp.asarray(variants), jnp.asarray(adds)
+        # Two switches: the ops that return a gradient, run where the sums
+        # are added to; and every op without its gradient (a whole backward
+        # or W only where a variant of it adds nothing: idle otherwise).
+        valid = variants >= 0
+        self.adding = branches[BACKWARD:]
+        self.plain = [
+            _no_deltas(b if (valid[op] & ~adds[op]).any() or op < BACKWARD else idle)
+            for op, b in enumerate(branches)
+        ]
 
     def buffer(self, n: int, like: Any) -> jax.Array:
         shape = jax.ShapeDtypeStruct((n, *like.shape), like.dtype)
@@ -339,7 +331,7 @@ class _Ticks:
     def init(self) -> tuple:
         """``(t, x slots, g slots, residual slots, sums, loss, messages)``."""
         ctx, layout = self.ctx, self.layout
-        if self.split:
+        if self.residuals is not None:  # a split backward
             kept = tuple(self.buffer(layout.nr, k) for k in self.residuals.kept)
             rbuf = (kept, self.buffer(layout.nr, ctx.h))
         else:
@@ -364,19 +356,36 @@ class _Ticks:
         first = (ctx.stage == 0) & (r == 0)
         last = (ctx.stage == ctx.num_stages - 1) & (r == repeats - 1)
         flags = (first, last, frozen)
-        variant = self.variants[(op, r, *(f.astype(jnp.int32) for f in flags))]
+        cell = (op, r, *(f.astype(jnp.int32) for f in flags))
+        variant = self.variants[cell]
         which = jnp.where((variant >= 0) & (keep | frozen), op, IDLE)
-        # Buffers and sums stay outside the switch: a branch returns what it
-        # made, so no branch passes (and copies) a buffer it does not touch.
-        args = (self.params, x_in, g_in, _get(rbuf, r_slot), m)
-        y, gx, res, wrote, deltas, loss, aux = lax.switch(
-            which, self.branches, jnp.maximum(variant, 0), *args
-        )
+        # Buffers stay outside the switch: a branch returns what it made, so
+        # no branch passes (and copies) a buffer it does not touch.
+        args = (jnp.maximum(variant, 0), self.params, x_in, g_in)
+        args += (_get(rbuf, r_slot), m)
+        adds = self.adds[cell] & (which == op) if grad else None
+        grads, (y, gx, res, wrote, loss, aux) = self.apply(which, adds, args, grads, r)
         at = jnp.where(wrote, r_slot, -1)
         rbuf = jax.tree.map(lambda b, v: _store(b, at, v), rbuf, res)
-        if grad:  # a loop of forwards alone adds nothing
-            grads = _summed(grads, deltas, r, repeats)
         return (xbuf, gbuf, rbuf, grads, total + loss), y, gx, aux
+
+    def apply(self, which, adds, args, grads, r):
+        """``(grads, outputs)`` of the tick's branch. A branch that returns
+        a gradient runs under a ``lax.cond`` that takes the sums and adds
+        it; every other tick passes them through (in place, no copy), so
+        no tick zero-fills or adds a gradient it does not have. ``adds``
+        None: a loop of forwards alone, which never adds."""
+        repeats = self.ctx.pipe.repeats
+
+        def adding(sums):
+            i = jnp.maximum(which - BACKWARD, 0)
+            y, gx, res, wrote, deltas, loss, aux = lax.switch(i, self.adding, *args)
+            return summed(sums, deltas, r, repeats), (y, gx, res, wrote, loss, aux)
+
+        def plain(sums):
+            return sums, lax.switch(which, self.plain, *args)
+
+        return plain(grads) if adds is None else lax.cond(adds, adding, plain, grads)
 
     def send(self, y, gx, send_f=True, send_b=True):
         ctx, stages = self.ctx, self.ctx.num_stages
@@ -409,20 +418,11 @@ class _Ticks:
         return (t + 2, *state, f_msg, b_msg), aux
 
 
-def _summed(grads: tuple, deltas: tuple, r: jax.Array, repeats: int) -> tuple:
-    """The sums plus an op's gradients (the stages' at repeat ``r``)."""
-    (gf, gs, gl), (df, ds, dl) = grads, deltas
-    if repeats == 1:
-        gs = _add(gs, ds)
-    else:
-        gs = jax.tree.map(lambda a, d: _add_at(a, r, d), gs, ds)
-    return _add(gf, df), gs, _add(gl, dl)
+def _no_deltas(branch):
+    """``branch`` without the gradients it returns (XLA drops their code)."""
 
+    def run(*args):
+        y, gx, res, wrote, _, loss, aux = branch(*args)
+        return y, gx, res, wrote, loss, aux
 
-def _stacked(grads: tuple, repeats: int) -> tuple:
-    """The stage sums as an ``(R, ...)`` stack (with one repeat they are one
-    stage's own shape in the loop)."""
-    gf, gs, gl = grads
-    if repeats == 1:
-        gs = jax.tree.map(lambda g: g[None], gs)
-    return gf, gs, gl
+    return run

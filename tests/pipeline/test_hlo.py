@@ -11,6 +11,8 @@ micro-batch.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -58,6 +60,24 @@ def lowered(schedule, m, data=1, rows=2, width=8, layout="stacked"):
             **kw,
         )
         return jax.jit(vg).lower(params, batch), mesh
+
+
+_VIEWS = r" (bitcast|get-tuple-element|parameter)\("
+
+
+def adding_branches(comps) -> list[str]:
+    """The branches of the runner's switch over the ops that return a
+    gradient (whole backward, B, W): the three-way conditional inside the
+    loop body's ``lax.cond`` on whether the tick adds to the sums."""
+    for body in hlo.while_bodies(comps):
+        for line in comps[body]:
+            if " conditional(" not in line:
+                continue
+            for branch in hlo.callees(line):
+                for inner in comps.get(branch, []):
+                    if " conditional(" in inner and len(hlo.callees(inner)) == 3:
+                        return hlo.callees(inner)
+    return []
 
 
 def shift(groups, mesh):
@@ -193,3 +213,37 @@ def test_repeated_schedules_memory_within_their_floor(schedule, floor):
     # layers beside it (interleaved's 1F1B floor keeps more than that).
     layer = (width * width + width) * 4
     assert got <= (2 + 2) * layer, got / layer
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_ticks_without_a_gradient_never_touch_the_sums(schedule):
+    """A tick whose op returns no gradient (a forward, an idle slot, a
+    middle stage's B) runs in the loop body's ``lax.cond`` branch without
+    the sums: no weight-shaped value there (no zero-filled gradient, no
+    add), where every op used to return one and add it, each tick."""
+    width = 24  # no other dimension of the model is 24
+    layout = "repeats_by_stage" if schedule in REPEATED else "stacked"
+    low, _ = lowered(schedule, 8, rows=4, width=width, layout=layout)
+    comps, _ = hlo.computations(low.compile().as_text())
+    weight = f"f32[{width},{width}]"
+    plain, adding = [], []
+    for body in hlo.while_bodies(comps):
+        for line in comps[body]:
+            if " conditional(" not in line:
+                continue
+            for branch in hlo.callees(line):
+                seen = hlo.reachable(comps, [branch])
+                # Weight-shaped values made there (not a view of the weight).
+                shaped = [
+                    x
+                    for c in seen
+                    for x in comps[c]
+                    if f"= {weight}" in x and not re.search(_VIEWS, x)
+                ]
+                switches = [
+                    len(hlo.callees(x)) for x in comps[branch] if " conditional(" in x
+                ]
+                (adding if 3 in switches else plain).append(shaped)
+    assert plain and adding, (plain, adding)
+    assert all(not shaped for shaped in plain), plain
+    assert all(shaped for shaped in adding), adding

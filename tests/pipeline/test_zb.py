@@ -115,13 +115,9 @@ def test_backward_split_in_hlo():
     width = 16
     low, _ = th.lowered("zb_h1", 8, rows=4, width=width)
     comps, _ = hlo.computations(low.compile().as_text())
-    branches = []
-    for body in hlo.while_bodies(comps):
-        for line in comps[body]:
-            if " conditional(" in line:
-                branches = hlo.callees(line)
-    assert len(branches) == 5, branches  # idle, F, (whole backward), B, W
-    b, w = (dot_shapes(comps, hlo.reachable(comps, [x])) for x in branches[3:])
+    branches = th.adding_branches(comps)
+    assert len(branches) == 3, branches  # (whole backward), B, W
+    b, w = (dot_shapes(comps, hlo.reachable(comps, [x])) for x in branches[1:])
     weight = f"f32[{width},{width}]"
     assert weight not in b, b
     assert weight in w, w
