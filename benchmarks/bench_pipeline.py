@@ -220,8 +220,16 @@ def measure(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 
 
 def markdown(data: dict[str, Any]) -> str:
-    """The measurements as Markdown tables."""
-    lines = bubble_markdown(data["bubbles"])
+    """The measurements as Markdown tables, after the line that made them."""
+    lines = []
+    if "run" in data:
+        lines += [
+            f"Made by `{data['run']}`: {data['devices']} on a "
+            f"{data['cores']}-core machine (the µs/token column times devices "
+            "sharing those cores: overhead, not speed-up).",
+            "",
+        ]
+    lines += bubble_markdown(data["bubbles"])
     lines += [
         "",
         "## Per schedule (S = 4)",
@@ -280,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         jax.config.update("jax_num_cpu_devices", 8)
     data = measure(args.quick, args.rounds)
+    flags = " --quick" * args.quick + (f" --json {args.json}" if args.json else "")
+    data["run"] = f"python benchmarks/bench_pipeline.py{flags}"
+    data["devices"] = f"{jax.device_count()} {jax.default_backend().upper()} devices"
+    data["cores"] = os.cpu_count()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
