@@ -166,10 +166,17 @@ def _arrive(buf, slot, msg):
     return buf.at[i].set(jnp.where(slot >= 0, msg, buf[i]))
 
 
-def _rings(stages: int):
+def _send(y, gx, axis: str, stages: int):
+    """One tick's messages: ``y`` to the next stage, ``gx`` to the previous."""
     fwd = [(i, (i + 1) % stages) for i in range(stages)]
     bwd = [(i, (i - 1) % stages) for i in range(stages)]
-    return fwd, bwd
+    return lax.ppermute(y, axis, fwd), lax.ppermute(gx, axis, bwd)
+
+
+def _run_ticks(tick, init, cells, axis: str):
+    """The scan over the table's ticks; the carry ends ``(..., grads, loss)``."""
+    (*_, grads, loss), _ = lax.scan(tick, init, jnp.arange(cells[0].shape[0]))
+    return _summed(loss, grads, axis)
 
 
 def _staged(mesh, axis: str, local):
@@ -218,7 +225,6 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.st
     stages = mesh.shape[axis]
     m = num_microbatches
     cells, k = _one_f_one_b_cells(stages, m)
-    fwd, bwd = _rings(stages)
 
     def local(fp, sp, lp, batch):
         s = lax.axis_index(axis)
@@ -264,15 +270,12 @@ def one_f_one_b(mesh, num_microbatches: int, axis: str = "stage", stage_fn=md.st
             mb = jax.tree.map(lambda v: v[j], mbs)
             y, gx, d, dl = lax.switch(branch[t, s], branches, xs[j % k], gs[j % k], mb)
             grads = jax.tree.map(jnp.add, grads, d)
-            f_msg = lax.ppermute(y, axis, fwd)
-            b_msg = lax.ppermute(gx, axis, bwd)
+            f_msg, b_msg = _send(y, gx, axis, stages)
             return (xs, gs, f_msg, b_msg, grads, loss + dl), None
 
         buf = var(jnp.zeros((k, *h.shape), h.dtype))
         init = (buf, buf, nil, nil, zeros, no_loss)
-        ticks = cells[0].shape[0]
-        (*_, grads, loss), _ = lax.scan(tick, init, jnp.arange(ticks))
-        return _summed(loss, grads, axis)
+        return _run_ticks(tick, init, cells, axis)
 
     return _staged(mesh, axis, local)
 
@@ -373,7 +376,6 @@ def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
     stages = mesh.shape[axis]
     m = num_microbatches
     cells, k = _zb_cells(stages, m)
-    fwd, bwd = _rings(stages)
 
     def local(fp, sp, lp, batch):
         s = lax.axis_index(axis)
@@ -393,14 +395,11 @@ def zb_h1(mesh, num_microbatches: int, axis: str = "stage"):
             )
             xs, ts, us = xs.at[i].set(x), ts.at[i].set(t), us.at[i].set(u)
             grads = jax.tree.map(jnp.add, grads, d)
-            f_msg = lax.ppermute(y, axis, fwd)
-            b_msg = lax.ppermute(gx, axis, bwd)
+            f_msg, b_msg = _send(y, gx, axis, stages)
             return (xs, gs, ts, us, f_msg, b_msg, grads, loss + dl), None
 
         buf = var(jnp.zeros((k, *h.shape), h.dtype))
         init = (buf, buf, buf, buf, nil, nil, zeros, no_loss)
-        ticks = cells[0].shape[0]
-        (*_, grads, loss), _ = lax.scan(tick, init, jnp.arange(ticks))
-        return _summed(loss, grads, axis)
+        return _run_ticks(tick, init, cells, axis)
 
     return _staged(mesh, axis, local)
