@@ -11,8 +11,6 @@ clipping, noise once per logical batch). Submodules, imported on their own:
 (starting a multi-process job).
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from . import pipeline as pipeline
 from . import privacy as privacy
 from ._accumulate import AccumulateState as AccumulateState
@@ -26,7 +24,7 @@ from ._accumulate import noise_scale as noise_scale
 from ._accumulate import skip_large_updates as skip_large_updates
 from ._accumulate import skip_not_finite as skip_not_finite
 from ._accumulate import state_specs as state_specs
-from ._deprecations import module_getattr
+from ._accumulate import update_count as update_count
 from ._learning_rate import scale_learning_rate as scale_learning_rate
 from ._loss_scale import ScaledGrads as ScaledGrads
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad
@@ -49,42 +47,10 @@ from ._typing import AccumulatorDType as AccumulatorDType
 from ._typing import AxisName as AxisName
 from ._typing import Reduction as Reduction
 
-try:
-    __version__ = version("optax_accum")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
+# The one place the version is written: pyproject.toml reads it from here
+# (hatch's `[tool.hatch.version]`), so the wheel, the metadata and this agree.
+__version__ = "0.1.0"
 
-
-def _distributed(name: str):
-    def get():
-        from . import distributed
-
-        return getattr(distributed, name)
-
-    return get
-
-
-# Renamed in 0.2; the old names warn and will be removed in the next release.
-__getattr__ = module_getattr(
-    "optax_accum",
-    {
-        "plan_micro_batch": ("optax_accum.plan_microbatch", lambda: plan_microbatch),
-        "MicroBatchPlan": ("optax_accum.MicrobatchPlan", lambda: MicrobatchPlan),
-        "MultiStepsNoiseState": (
-            "optax_accum.MultiStepsState (one state type)",
-            lambda: MultiStepsState,
-        ),
-        "initialize_distributed": (
-            "optax_accum.distributed.initialize_distributed",
-            _distributed("initialize_distributed"),
-        ),
-        "launch_local": (
-            "optax_accum.distributed.launch_local",
-            _distributed("launch_local"),
-        ),
-        "LocalRun": ("optax_accum.distributed.LocalRun", _distributed("LocalRun")),
-    },
-)
 
 __all__ = [
     "AccumulateState",
@@ -119,4 +85,5 @@ __all__ = [
     "skip_not_finite",
     "state_shardings",
     "state_specs",
+    "update_count",
 ]

@@ -19,7 +19,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from . import _dtypes
-from ._deprecations import renamed_arguments
 from ._sharding import deferrable, explicit_axes, explicit_spec, unreduced
 
 
@@ -73,7 +72,6 @@ def finish(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, spec.update(unreduced=frozenset()))
 
 
-@renamed_arguments({"axes": "data_axes"})
 def defer_reduction(params: optax.Params, data_axes: Any) -> optax.Params:
     """Marks parameters so that their gradients stay unreduced over ``data_axes``.
 

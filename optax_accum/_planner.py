@@ -18,7 +18,6 @@ import numpy as np
 import optax
 
 from . import _checks, _offload
-from ._deprecations import renamed_arguments, warn
 
 
 class MicrobatchPlan(NamedTuple):
@@ -53,21 +52,6 @@ class MicrobatchPlan(NamedTuple):
     num_compilations: int
     offloaded_bytes: int = 0
     memory_note: str = ""
-
-    @property
-    def micro_batch_size(self) -> int:
-        warn("`MicrobatchPlan.micro_batch_size`", "`microbatch_size`")
-        return self.microbatch_size
-
-    @property
-    def num_micro_batches(self) -> int:
-        warn("`MicrobatchPlan.num_micro_batches`", "`num_microbatches`")
-        return self.num_microbatches
-
-    @property
-    def next_micro_batch_size(self) -> int | None:
-        warn("`MicrobatchPlan.next_micro_batch_size`", "`next_microbatch_size`")
-        return self.next_microbatch_size
 
 
 def compiled_memory_bytes(compiled: Any) -> int:
@@ -124,7 +108,6 @@ def _candidates(
     return list(sizes)
 
 
-@renamed_arguments({"max_micro_batch_size": "max_microbatch_size"})
 def plan_microbatch(
     step: Callable[..., Any],
     params: optax.Params,

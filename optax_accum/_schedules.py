@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
-from ._deprecations import renamed_arguments, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,16 +31,6 @@ class AdaptiveEveryK:
     max_k: int
     init_k: int
     never_decrease: bool
-
-    @property
-    def k_min(self) -> int:
-        warn("`AdaptiveEveryK.k_min`", "`min_k`")
-        return self.min_k
-
-    @property
-    def k_max(self) -> int:
-        warn("`AdaptiveEveryK.k_max`", "`max_k`")
-        return self.max_k
 
     def next_k(self, b_simple: jax.Array, step_batch: jax.Array, k: jax.Array):
         """``clip(ceil(b_simple / step_batch), min_k, max_k)``, NaN-safe."""
@@ -116,7 +105,6 @@ def _adaptive_k(every_k: AdaptiveEveryK, noise: Any, name: str) -> jax.Array:
     return noise.k  # chosen by the noise scale
 
 
-@renamed_arguments({"k_min": "min_k", "k_max": "max_k"})
 def adaptive_every_k(
     min_k: int,
     max_k: int,
@@ -191,9 +179,6 @@ def adaptive_every_k(
     return AdaptiveEveryK(min_k, max_k, init_k, bool(never_decrease))
 
 
-@renamed_arguments(
-    {"micro_batch_size": "microbatch_size", "warmup_updates": "warmup_steps"}
-)
 def batch_size_warmup(
     microbatch_size: int,
     init_batch_size: int,

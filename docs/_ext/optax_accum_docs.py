@@ -28,7 +28,6 @@ import importlib
 import inspect
 import os
 import shutil
-import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,12 +96,10 @@ def _documented_names(modules: list[ModuleType]) -> dict[str, list[str]]:
     """
     listed: dict[str, list[tuple[str, Any]]] = {}
     owner: dict[int, str] = {}
-    with warnings.catch_warnings():  # a deprecated alias warns when read
-        warnings.simplefilter("ignore")
-        for module in modules:
-            listed[module.__name__] = [
-                (n, getattr(module, n, None)) for n in _public_names(module)
-            ]
+    for module in modules:
+        listed[module.__name__] = [
+            (n, getattr(module, n, None)) for n in _public_names(module)
+        ]
     for name, items in listed.items():
         for _, obj in items:
             current = owner.get(id(obj))

@@ -18,3 +18,4 @@ from ._skip import skip_not_finite as skip_not_finite
 from ._states import find_state as find_state
 from ._states import has_updated as has_updated
 from ._states import noise_scale as noise_scale
+from ._update_count import update_count as update_count

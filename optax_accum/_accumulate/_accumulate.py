@@ -18,7 +18,6 @@ import optax
 
 from .. import _checks, _dtypes, _extra_args, _reduction, _schedules
 from .. import _noise_scale as ns
-from .._deprecations import renamed_arguments, warn
 from .._devices import Devices
 from .._typing import AccumulatorDType, AxisName, Reduction
 from . import _skip
@@ -64,14 +63,7 @@ class AccumulateState(NamedTuple):
     value_accumulator: Any = ()
     noise_scale: Any = ()
 
-    @property
-    def weight_sum(self) -> jax.Array:
-        """Deprecated: the window's total weight, ``micro_step * mean_weight``."""
-        warn("`AccumulateState.weight_sum`", "`micro_step * mean_weight`")
-        return self.micro_step * self.mean_weight
 
-
-@renamed_arguments({"defer_axes": "data_axes"})
 def accumulate(
     inner: optax.GradientTransformation,
     every_k: _schedules.EveryK,

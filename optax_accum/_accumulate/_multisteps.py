@@ -23,7 +23,6 @@ import optax
 
 from .. import _checks, _dtypes, _extra_args, _reduction, _schedules
 from .. import _noise_scale as ns
-from .._deprecations import renamed_arguments
 from .._devices import Devices
 from .._typing import AccumulatorDType, AxisName
 from . import _skip, _value_since
@@ -210,7 +209,6 @@ class MultiSteps:
       (-2.0, True)
     """
 
-    @renamed_arguments({"defer_axes": "data_axes"}, name="MultiSteps")
     def __init__(
         self,
         opt: optax.GradientTransformation,

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import optax
 
 from .. import _checks
-from .._deprecations import renamed_arguments
 from .._noise_scale import NoiseScale, NoiseScaleState, b_simple, debiased
 from ._accumulate import AccumulateState
 from ._multisteps import MultiStepsState, emitted
@@ -111,7 +110,6 @@ def _value(x: Any) -> jax.Array:
     return jnp.asarray(x.get_value() if hasattr(x, "get_value") else x)
 
 
-@renamed_arguments({"micro_batch_size": "microbatch_size"})
 def noise_scale(state: Any, microbatch_size: int | None = None) -> NoiseScale:
     r"""Reads the gradient noise scale from an optimizer state.
 

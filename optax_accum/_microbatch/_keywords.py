@@ -106,8 +106,7 @@ class Keywords:
         metadata=_doc(
             '``"per_microbatch"``, ``"once"`` or ``None`` (the former where '
             "parameters are sharded over the batch's Explicit mesh axes, else the "
-            'latter); ``"per_micro_batch"`` is its deprecated spelling. See **FSDP** '
-            "in `microbatch`."
+            "latter). See **FSDP** in `microbatch`."
         ),
     )
     noise_scale_decay: float | None = dataclasses.field(

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from .. import _noise_scale as ns
 from .. import _sharding
-from .._deprecations import renamed_arguments
 from .._loss_scale import ScaledGrads
 from .._typing import Unpack
 from . import _order
@@ -37,10 +36,7 @@ from ._options import (
     options,
 )
 
-_RENAMED = {"num_micro_batches": "num_microbatches", "mesh_axes": "data_axes"}
 
-
-@renamed_arguments(_RENAMED)
 @takes_keywords
 def microbatch(
     fun: Callable[..., Any],
@@ -190,7 +186,6 @@ def microbatch(
     return _microbatched(fun, opts)
 
 
-@renamed_arguments(_RENAMED)
 def microbatch_with_state(
     fun: Callable[..., Any], num_microbatches: int, **kwargs: Any
 ) -> Callable[..., Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ import jax
 
 from .. import _checks, _dtypes, _reduction
 from .. import _noise_scale as ns
-from .._deprecations import warn
 from .._reduction import Mean, Sum
 from ._keywords import WeightFn, given
 
@@ -182,9 +180,6 @@ def _unroll(value: Any) -> int | bool:
 
 
 def _param_gather(value: Any) -> str | None:
-    if isinstance(value, str) and value == "per_micro_batch":
-        warn('`param_gather="per_micro_batch"`', '`param_gather="per_microbatch"`', 6)
-        return "per_microbatch"
     _checks.one_of(value, "param_gather", PARAM_GATHER)
     return value
 
@@ -194,15 +189,6 @@ def _axes_tuple(axis_name: Any) -> tuple:
 
 
 def _data_axes(value: Any) -> tuple[str, ...] | None:
-    if isinstance(value, str) and value == "auto":
-        warnings.warn(
-            '`data_axes="auto"` (formerly `mesh_axes="auto"`) is deprecated and '
-            "will be removed in the next release; use `data_axes=None`, the "
-            "global view.",
-            DeprecationWarning,
-            stacklevel=5,
-        )
-        return None
     return _checks.axis_names(value, "data_axes")
 
 

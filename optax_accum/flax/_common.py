@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._deprecations import rename
 from .._extra_args import reads_value
 from .._loss_scale import ScaledGrads, scaled_value_and_grad
 from .._microbatch import (
@@ -68,7 +67,7 @@ def step_options(
                 "own keyword and builds the batch and rng arguments from the "
                 "step's signature."
             )
-    kwargs = rename(dict(microbatch_kwargs), {"mesh_axes": "data_axes"}, helper, 6)
+    kwargs = dict(microbatch_kwargs)
     unknown = [name for name in kwargs if name not in _ACCEPTED]
     if unknown:
         raise TypeError(

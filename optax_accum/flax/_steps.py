@@ -10,7 +10,6 @@ from typing import Any
 import optax
 from flax import nnx
 
-from .._deprecations import renamed_arguments
 from .._microbatch import StepKeywords
 from .._typing import Unpack
 from . import _nnx
@@ -24,10 +23,7 @@ from ._common import (
     with_value,
 )
 
-_RENAMED = {"num_micro_batches": "num_microbatches"}
 
-
-@renamed_arguments(_RENAMED)
 def nnx_train_step(
     loss_fn: Callable[..., Any],
     num_microbatches: int,
@@ -204,7 +200,6 @@ def _nnx_update(model, optimizer, grads, new_state, loss, scaled, opt_kwargs):
         nnx.update((model, optimizer), keep_unless(scaled.finite, after, before))
 
 
-@renamed_arguments(_RENAMED)
 def linen_train_step(
     loss_fn: Callable[..., Any],
     num_microbatches: int,

@@ -173,7 +173,7 @@ def _takes_key(pipe: Pipeline) -> None:
 
 def check_call(pipe: Pipeline, params: Any, batch: Any, rng: Any, data_axes: tuple):
     """``(first, stage, last params, S)`` once the call is checked, ``data_axes``
-    the declared (or guessed) data axes."""
+    the declared data axes."""
     if not isinstance(params, (tuple, list)) or len(params) != 3:
         raise TypeError(
             "`params` must be `(first_params, stage_params, last_params)`, got "

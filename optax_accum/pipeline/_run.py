@@ -18,7 +18,6 @@ shardings (replicated where a parameter was placed nowhere).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -115,21 +114,19 @@ def _views(batch: Any, m: int) -> Any:
 
 
 def data_axes_of(pipe: Pipeline, batch: Any) -> tuple[str, ...]:
-    """The declared ``data_axes``; undeclared, the Explicit axes that shard
-    the batch's rows, with a DeprecationWarning (guessing goes next release)."""
+    """The declared ``data_axes``; undeclared, none, and a batch whose rows an
+    Explicit mesh axis shards is refused (the pipeline would gather it and run
+    every data shard's rows on every replica)."""
     if pipe.data_axes is not None:
         return pipe.data_axes  # checked with the call (`_checks.check_call`)
-    guessed = _sharding.batch_axes(batch, exclude=(pipe.stage_axis,))
-    if guessed:
-        warnings.warn(
-            f"the batch is sharded over {guessed} but `data_axes` is not given: "
-            "guessing the pipeline's data axes from the batch's sharding is "
-            f"deprecated and will be removed in the next release; pass "
-            f"`data_axes={guessed!r}` (as in `microbatch`).",
-            DeprecationWarning,
-            stacklevel=4,
+    sharding = _sharding.batch_axes(batch, exclude=(pipe.stage_axis,))
+    if sharding:
+        raise ValueError(
+            f"the batch's rows are sharded over {sharding} but `data_axes` is "
+            f"not given; pass `data_axes={sharding!r}` (as in `microbatch`), or "
+            "replicate the batch."
         )
-    return guessed
+    return ()
 
 
 def _shapes(pipe: Pipeline, fp, sp, lp, views, data_axes, rng):

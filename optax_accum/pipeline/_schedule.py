@@ -30,7 +30,6 @@ device's op (every tick ends in a ``ppermute``). `idle_slots` counts idle
 from __future__ import annotations
 
 import enum
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -354,9 +353,8 @@ def bubble_fraction(
     worse than its slot count, as its ticks mix forwards with whole
     backwards; interleaved 1F1B's is circular's ``(S-1)/(r·M+S-1)``.
 
-    Without ``costs`` it returns, for this release, the share of idle slots
-    (`idle_slots`) with a DeprecationWarning; from the next release it will
-    return the time bubble at costs ``(1, 1, 1)``.
+    Without ``costs`` it is the time bubble at costs ``(1, 1, 1)``; the share
+    of idle slots is `idle_slots`.
 
     Examples:
       >>> from optax_accum.pipeline import bubble_fraction
@@ -365,17 +363,7 @@ def bubble_fraction(
       >>> round(bubble_fraction("1f1b", 4, 16, costs=(1, 1, 1)), 4)
       0.3333
     """
-    if costs is None:
-        warnings.warn(
-            "`bubble_fraction` without `costs` returns the share of idle slots "
-            "this release and the time bubble at costs (1, 1, 1) from the next; "
-            "for the slots call `pipeline.idle_slots(...)`, for the time pass "
-            "`costs=` (e.g. `pipeline.measure_costs(...)` or (1, 1, 1)).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return idle_slots(schedule, num_stages, num_microbatches, repeats)
-    unit = op_costs(costs)
+    unit = op_costs((1, 1, 1) if costs is None else costs)
     table = schedule_table(schedule, num_stages, num_microbatches, repeats)
     busy = unit[table.op]
     return float(1.0 - busy.sum() / (num_stages * busy.max(axis=1).sum()))

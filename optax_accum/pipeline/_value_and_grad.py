@@ -86,9 +86,9 @@ def value_and_grad(
         or ``None`` (the parameters' own), as in `microbatch`.
       data_axes: the mesh axes that shard the batch's rows (not
         ``stage_axis``), as in `microbatch`: each data shard runs the
-        pipeline on its rows. Left ``None`` with a batch sharded over other
-        axes, they are guessed from its sharding, with a DeprecationWarning
-        (guessing goes in the next release).
+        pipeline on its rows. Never guessed: left ``None`` with a batch
+        whose rows an Explicit mesh axis shards, the call raises a
+        ValueError that names the axes to pass.
       aux_rows: with ``data_axes`` and ``has_aux``: which ``aux`` leaves hold
         the micro-batch's rows on axis 0 (gathered over the data shards) and
         which are statistics (averaged), as in `microbatch`.

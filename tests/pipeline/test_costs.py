@@ -93,10 +93,12 @@ def test_bubble_fraction_takes_measured_costs():
         )
 
 
-def test_bubble_fraction_without_costs_warns_and_keeps_slots():
-    with pytest.warns(DeprecationWarning, match="idle_slots"):
-        got = pl.bubble_fraction("zb_h1", 4, 8)
-    assert got == pl.idle_slots("zb_h1", 4, 8)
+def test_bubble_fraction_without_costs_is_the_time_bubble_at_unit_costs():
+    for name in ("gpipe", "1f1b", "zb_h1"):
+        got = pl.bubble_fraction(name, 4, 8)
+        assert got == pl.bubble_fraction(name, 4, 8, costs=(1, 1, 1))
+    # ZB-H1's slots idle less than its ticks at unit costs (B and W tick apart).
+    assert pl.bubble_fraction("zb_h1", 4, 8) != pl.idle_slots("zb_h1", 4, 8)
     assert pl.idle_slots("gpipe", 4, 4) == pytest.approx(3 / 7)
 
 

@@ -331,15 +331,15 @@ def test_reduction_sum_and_accumulator_dtype(schedule, repeats):
 
 
 def test_data_axes_declared_not_guessed():
-    """Issue 27: the data axes are declared; guessing them from the batch's
-    sharding warns for one release."""
+    """Issue 27: the data axes are declared, never guessed: a batch sharded
+    over an undeclared axis is refused with the fix."""
     mesh = mesh_of(data=2)
     params, batch = md.make(4, rows=32)
     want = jax.jit(jax.value_and_grad(md.sequential))(params, batch)
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     md.assert_close(run(mesh, params, batch, 4, data_axes="data"), want, rtol=1e-5)
-    with pytest.warns(DeprecationWarning, match="`data_axes="):
-        md.assert_close(run(mesh, params, batch, 4), want, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"pass `data_axes=\('data',\)`"):
+        run(mesh, params, batch, 4)
     with pytest.raises(ValueError, match=r"`data_axes`=.*not axes"):
         run(mesh, params, batch, 4, data_axes="batch")
 
