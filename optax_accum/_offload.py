@@ -393,6 +393,7 @@ def device_bytes(compiled: Any) -> tuple[int, str]:
         return total, ""
     aliased = min(host_donated, host_out, alias)
     return total - host_in - host_out + aliased, (
-        f"no host split in memory_analysis: {host_in + host_out - aliased:,} "
-        "bytes of buffers in host memory left out by their own sizes"
+        "no host split in memory_analysis: buffers in host memory left out by "
+        f"their own sizes, {host_in:,} bytes of arguments (`offloaded_bytes`) "
+        f"and {host_out:,} of outputs, {aliased:,} of them donated"
     )

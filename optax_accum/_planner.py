@@ -34,8 +34,10 @@ class MicrobatchPlan(NamedTuple):
       next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
         budget), or None.
       num_compilations: how many sizes were compiled.
-      offloaded_bytes: bytes per device of the optimizer state kept off the
-        device (`offload`), left out of ``memory_bytes``.
+      offloaded_bytes: bytes per device of the step's arguments kept in host
+        memory (an `offload` ed optimizer state, whether passed as
+        ``opt_state`` or inside ``params``, e.g. a split nnx state), left out
+        of ``memory_bytes``.
       memory_note: how the offloaded state was left out: by the memory
         analysis's own host split, or, on a backend without one (CPU, where
         host and device share memory), by the state's own bytes; empty
@@ -359,7 +361,9 @@ class _Estimates:
         # So does a state kept in host memory (`offload`).
         self.abstract = jax.tree.map(_offload.abstract, (params, opt_state))
         self.with_state = opt_state is not None
-        self.host_state = _offload.offloaded_bytes(self.abstract[1])
+        # Every argument in host memory: an nnx step takes the whole split
+        # state (the optimizer's included) as ``params``.
+        self.host_state = _offload.offloaded_bytes(self.abstract)
         self.note = ""
         self.example = example
         self.memory: dict[int, int] = {}

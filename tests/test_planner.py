@@ -342,3 +342,41 @@ def test_fused_step_bad_input(setup):
         optax_accum.plan_fused_step(
             lambda k: None, params, opt_state, example, 8, memory_budget=10**9
         )
+
+
+def test_offloaded_state_inside_params_is_counted_and_noted():
+    """Issue 41: a pure function of a split nnx state takes the optimizer's
+    offloaded state inside ``params`` (``opt_state=None``); the plan's
+    ``offloaded_bytes`` counts it, and the note gives the same number."""
+    from flax import nnx
+
+    from optax_accum.flax import nnx_train_step
+
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    tx = optax_accum.offload(optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    adam = (16 * 8 + 8) * 4 * 2 + 4  # mu, nu and count in host memory
+
+    def make_step(k):
+        train = nnx_train_step(lambda m, x: jnp.mean(m(x) ** 2), k)
+
+        def step(state, x):
+            model, optimizer = nnx.merge(graphdef, state)
+            return train(model, optimizer, x), nnx.state((model, optimizer))
+
+        return step
+
+    plan = optax_accum.plan_fused_step(
+        make_step, state, None, jnp.zeros(16), 8, memory_budget=10**8,
+        max_microbatch_size=4,
+    )  # fmt: skip
+    assert plan.offloaded_bytes == adam
+    assert f"{adam:,} bytes of arguments (`offloaded_bytes`)" in plan.memory_note
+    # The same state passed as ``opt_state`` is counted the same way.
+    params, opt_state = jnp.zeros((16, 8)), tx.init(jnp.zeros((16, 8)))
+    plan = optax_accum.plan_fused_step(
+        lambda k: lambda p, s, x: (p, s), params, opt_state, jnp.zeros(16), 8,
+        memory_budget=10**8, max_microbatch_size=4,
+    )  # fmt: skip
+    assert plan.offloaded_bytes == 16 * 8 * 4 * 2 + 4
