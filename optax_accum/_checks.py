@@ -179,6 +179,14 @@ def optimizer(value: Any, name: str) -> None:
         return
     factory = getattr(value, "__name__", None)
     if callable(value) and factory:
+        if _is_schedule(value):
+            shown = factory if factory.isidentifier() else "schedule"
+            raise TypeError(
+                f"`{name}` is a schedule (`{factory}` returns a number for a step "
+                "count), not an optimizer: a learning-rate schedule belongs inside "
+                f"the optimizer, e.g. `optax.adamw(learning_rate={shown})`, where "
+                "its count counts updates, not micro-steps."
+            )
         raise TypeError(
             f"`{name}` is the function `{factory}`, not an optimizer: call it, "
             f"e.g. `{factory}(learning_rate)`, and pass what it returns."
@@ -187,6 +195,19 @@ def optimizer(value: Any, name: str) -> None:
         f"`{name}` must be an optax GradientTransformation (with `init` and "
         f"`update`), got {value!r}."
     )
+
+
+def _is_schedule(fn: Any) -> bool:
+    """Whether ``fn(0)`` is a real number (an optax schedule of the count), as
+    opposed to an optimizer's factory, which returns a transformation."""
+    try:
+        out = fn(0)
+    except Exception:  # not a function of one count
+        return False
+    dtype = getattr(out, "dtype", None)
+    if dtype is None:
+        return isinstance(out, int | float) and not isinstance(out, bool)
+    return getattr(out, "shape", None) == () and jnp.issubdtype(dtype, jnp.number)
 
 
 def real_scalar_loss(value: Any, of: str = "") -> None:

@@ -78,3 +78,41 @@ def test_a_wrong_grads_shape_names_the_leaf():
         match=r"got \(2, 4\), expected \(4, 2\) at `grads\['w'\]`",
     ):
         tx.update(grads, state, params)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [optax.cosine_decay_schedule(1e-3, 100), lambda count: 0.1],
+    ids=["optax_schedule", "lambda"],
+)
+def test_a_schedule_as_inner_says_it_belongs_in_the_optimizer(schedule):
+    """Issue 41: a learning-rate schedule passed as ``inner`` was told to be
+    called like an optimizer's factory."""
+    for make in (optax_accum.accumulate, optax_accum.MultiSteps):
+        with pytest.raises(TypeError, match=r"is a schedule") as info:
+            make(schedule, 4)
+        assert "optax.adamw(learning_rate=" in str(info.value)
+        assert "call it" not in str(info.value)
+    with pytest.raises(TypeError, match=r"is the function `adamw`.*call it"):
+        optax_accum.accumulate(optax.adamw, 4)
+
+
+def test_batch_argnums_naming_the_parameters_says_so():
+    """Issue 41: ``batch_argnums`` including the parameters' position got only
+    "batch argument 0 has a scalar leaf at ['b']"."""
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    x, y = jnp.ones((8, 3)), jnp.ones(8)
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    grad_fn = jax.value_and_grad(loss)
+    run = optax_accum.microbatch(grad_fn, 2, batch_argnums=(0, 1, 2))
+    with pytest.raises(ValueError, match=r"scalar leaf at \['b'\]") as info:
+        run(params, x, y)
+    assert "`batch_argnums` probably includes it by mistake" in str(info.value)
+    # A real batch argument with a scalar leaf gets no such hint.
+    run = optax_accum.microbatch(grad_fn, 2, batch_argnums=(1, 2))
+    with pytest.raises(ValueError, match="scalar leaf") as info:
+        run(params, x, jnp.float32(1.0))
+    assert "by mistake" not in str(info.value)

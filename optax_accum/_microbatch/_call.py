@@ -49,7 +49,7 @@ def batch_size(args: list, opts: Options) -> int:
                 raise ValueError(
                     f"batch argument {i} has a scalar leaf at "
                     f"{jax.tree_util.keystr(path)}: every batch leaf needs "
-                    "a leading batch axis."
+                    "a leading batch axis." + _parameters_hint(i, opts)
                 )
             sizes[f"argument {i}{jax.tree_util.keystr(path)}"] = jnp.shape(x)[0]
     if not sizes:
@@ -62,6 +62,22 @@ def batch_size(args: list, opts: Options) -> int:
             f"the batch size {size} is not divisible by `num_microbatches`={opts.k}."
         )
     return size
+
+
+def _parameters_hint(i: int, opts: Options) -> str:
+    """Names the likely mistake when batch argument ``i`` is the parameters."""
+    if opts.differentiates:
+        wrt = (opts.argnums,) if isinstance(opts.argnums, int) else opts.argnums
+        if i not in wrt:
+            return ""
+    elif i != 0:
+        return ""
+    return (
+        f" Argument {i} is the one differentiated (the parameters), so "
+        "`batch_argnums` probably includes it by mistake: it must name the "
+        "data arguments only, e.g. `batch_argnums=(1, 2)` for "
+        "`loss(params, x, y)`."
+    )
 
 
 def note_unsplit(error: BaseException, args: list, opts: Options) -> None:
