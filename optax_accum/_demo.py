@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from ._accumulate import accumulate, noise_scale
+from ._extras import install_command
 from ._learning_rate import scale_learning_rate
 from ._microbatch import microbatch
 
@@ -37,7 +38,7 @@ REQUIREMENTS = {
     "tqdm": "tqdm",
     "matplotlib": "matplotlib",
 }
-INSTALL_HINT = 'pip install "optax_accum[examples]"'
+INSTALL_HINT = install_command("examples")
 _DECAY = 0.9  # the noise scale's EMA in the `accumulate` run
 
 

@@ -15,7 +15,10 @@ import pytest
 from optax_accum import _demo
 from optax_accum.__main__ import main
 
-HINT = 'pip install "optax_accum[examples]"'
+HINT = (
+    'pip install "optax_accum[examples]", or from a source checkout, in its '
+    'root folder: pip install -e ".[examples]"'
+)
 
 
 @pytest.mark.parametrize(("module", "package"), list(_demo.REQUIREMENTS.items()))

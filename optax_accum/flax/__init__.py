@@ -10,6 +10,15 @@ own batch statistics. Flax is an optional dependency: ``import optax_accum``
 never imports this module.
 """
 
+try:
+    import flax  # noqa: F401
+except ImportError as e:
+    from .._extras import install_command
+
+    raise ImportError(
+        f"optax_accum.flax needs Flax, in the `flax` extra: {install_command('flax')}."
+    ) from e
+
 from ._steps import linen_train_step as linen_train_step
 from ._steps import nnx_train_step as nnx_train_step
 

@@ -15,10 +15,11 @@ import numbers
 from typing import Any
 
 from .. import _checks
+from .._extras import install_command
 from ._sampling import nonnegative_int, sampling_rate_check
 
 _ACCOUNTANTS = ("rdp", "pld")
-_INSTALL = 'pip install "optax_accum[privacy]"'
+_INSTALL = install_command("privacy")
 
 
 def _dp_accounting() -> Any:
