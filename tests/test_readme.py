@@ -81,3 +81,18 @@ def test_relative_links_resolve():
     assert local, "README.md links to no file of the repository"
     missing = [t for t in local if not (README.parent / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_the_wheel_lane_runs_every_block():
+    """.ci/readme_blocks.py (the wheel lane's runner of the quickstarts) finds
+    the same blocks as this test's Sybil, so the installed wheel runs them all."""
+    import importlib.util
+
+    path = README.parent / ".ci" / "readme_blocks.py"
+    spec = importlib.util.spec_from_file_location("readme_blocks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = module._BLOCK.findall(README.read_text())
+    parsed = [str(ex.parsed) for ex in _SYBIL.parse(README).examples()]
+    assert len(found) == len(parsed) >= 3
+    assert [b.strip() for b in found] == [p.strip() for p in parsed]

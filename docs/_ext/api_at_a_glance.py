@@ -30,7 +30,7 @@ FACE = {
     **dict.fromkeys(
         ["accumulate", "AccumulateState", "MultiSteps", "MultiStepsState",
          "SkipFn", "skip_not_finite", "skip_large_updates", "has_updated",
-         "find_state", "offload", "state_specs", "state_shardings",
+         "find_state", "update_count", "offload", "state_specs", "state_shardings",
          "defer_reduction"],
         "accumulate",
     ),
