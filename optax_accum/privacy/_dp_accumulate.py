@@ -48,7 +48,9 @@ def dp_accumulate(
             \mathrm{clip}(g_e, C) + \mathcal{N}(0, \sigma^2 C^2 I)\Bigr)
 
     with :math:`\sigma` = ``noise_multiplier``, :math:`C` = ``l2_clip_norm``
-    and :math:`B` = ``expected_batch_size``. Divide by the *expected* batch
+    and :math:`B` = ``expected_batch_size``. A complex entry is two real
+    coordinates, as the clip measures it: its real and imaginary parts each
+    get noise of standard deviation :math:`\sigma C`. Divide by the *expected* batch
     size (``sampling_rate * num_examples`` under Poisson sampling): dividing
     by the realised size would leak it.
 
