@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from .. import _checks, _schedules
+from .. import _checks, _dtypes, _schedules
 from .._accumulate import accumulate
 from .._typing import AccumulatorDType, AxisName
 from . import _checks as _privacy_checks
@@ -66,12 +67,15 @@ def dp_accumulate(
     of the right scale and no privacy. Compute them with
     `clipped_value_and_grad` with the same ``l2_clip_norm``.
 
-    **Dtypes.** `clipped_value_and_grad` returns its sums in at least float32
-    (for bf16 and fp16 parameters too), and the window, the noise and the
-    division then run in float32; the updates are float32 and
-    ``optax.apply_updates`` casts them to the parameters' dtype. Gradients
-    given in bf16 are summed in float32 (``accumulator_dtype``), but the
-    window's sum is handed to the noise in their dtype.
+    **Dtypes.** The window is summed, noised and divided in at least float32,
+    whatever the gradients' dtype and ``accumulator_dtype``: a narrower
+    accumulator is widened to float32, and bf16 or fp16 gradients are cast
+    to float32 before they are summed. A sum rounded to bf16 would move by
+    more than ``C`` when one example changes (issue 39: 1024 vs 1020 for two
+    windows whose exact sums differ by 0.25). `clipped_value_and_grad`
+    returns its sums in float32 already. The updates are float32 (float64 or
+    complex where the gradients are) and ``optax.apply_updates`` casts them
+    to the parameters' dtype.
 
     **Devices.** With ``axis_name`` (inside ``shard_map`` or ``pmap``), each
     device sums its own examples and the sums are reduced over devices before
@@ -106,7 +110,9 @@ def dp_accumulate(
         uses.
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (see
         **Devices**).
-      accumulator_dtype: as `accumulate`'s (``"promote"``: at least float32).
+      accumulator_dtype: as `accumulate`'s (``"promote"``: at least float32);
+        a narrower dtype (or ``None`` for bf16 gradients) is widened to
+        float32 (see **Dtypes**).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -167,7 +173,7 @@ def dp_accumulate(
         optax.chain(mechanism, inner),
         every_k,
         reduction="sum",
-        accumulator_dtype=accumulator_dtype,
+        accumulator_dtype=_at_least_float32(accumulator_dtype),
         axis_name=axis_name,
     )
 
@@ -184,6 +190,35 @@ def dp_accumulate(
                 f"the sensitivity; got weight={extra_args['weight']!r}. Mark "
                 "padding rows with clipped_value_and_grad's `example_mask_fn`."
             )
-        return tx.update(grads, state, params, **extra_args)
+        return tx.update(_widened(grads), state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _at_least_float32(policy: Any) -> Any:
+    """``accumulator_dtype`` with every narrow (or gradient-dtype) policy
+    widened: a sum rounded to bf16 or fp16 has a sensitivity above ``C``."""
+    canonical = _dtypes.canonical(policy)
+    if isinstance(canonical, _dtypes.PerLeaf):
+        return _dtypes.PerLeaf(
+            canonical.treedef, tuple(_wide(p) for p in canonical.policies)
+        ).prefix()
+    return _wide(canonical)
+
+
+def _wide(policy: Any) -> Any:
+    if policy is None or isinstance(policy, str):
+        return _dtypes.PROMOTE
+    return jnp.promote_types(policy, jnp.float32)
+
+
+def _widened(grads: optax.Updates) -> optax.Updates:
+    """bf16 and fp16 gradients as float32 (exact), so that the window's sum
+    reaches the noise in float32, not cast back to the gradients' dtype."""
+
+    def widen(g):
+        if _dtypes.is_float0(g):
+            return g
+        return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+    return jax.tree.map(widen, grads)

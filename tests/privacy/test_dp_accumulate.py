@@ -339,3 +339,36 @@ def test_complex_noise_has_sigma_c_on_each_real_coordinate():
     assert abs(noise.real.std() / (sigma * c) - 1) < 0.02
     assert abs(noise.imag.std() / (sigma * c) - 1) < 0.02
     assert abs(np.corrcoef(noise.real, noise.imag)[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, accumulator_dtype",
+    [
+        (jnp.float32, jnp.bfloat16),
+        (jnp.bfloat16, "promote"),
+        (jnp.bfloat16, jnp.bfloat16),
+        (jnp.float16, None),
+        (jnp.float32, {"w": jnp.float16}),
+    ],
+)
+def test_narrow_dtypes_do_not_raise_the_sensitivity(grad_dtype, accumulator_dtype):
+    # Issue 39, finding 2: two windows of 9 calls whose exact sums differ by
+    # 0.25 (512 + 256 + ... + 4, then 2.0 or 1.75). Summed or handed to the
+    # noise in bf16 they were 1024 and 1020: a difference of 4 against C = 1.
+    tx = privacy.dp_accumulate(
+        optax.sgd(1.0), 9, l2_clip_norm=1.0, noise_multiplier=0.0,
+        expected_batch_size=1.0, key=jax.random.key(0),
+        accumulator_dtype=accumulator_dtype,
+    )  # fmt: skip
+    params = {"w": jnp.zeros((), grad_dtype)}
+
+    def window(last):
+        state = tx.init(params)
+        for g in [2.0**e for e in range(9, 1, -1)] + [last]:
+            u, state = tx.update({"w": jnp.asarray(g, grad_dtype)}, state, params)
+        assert u["w"].dtype == jnp.float32
+        return float(-u["w"])
+
+    a, b = window(2.0), window(1.75)
+    assert (a, b) == (1022.0, 1021.75)
+    assert abs(a - b) <= 1.0 + 1e-4
