@@ -17,6 +17,8 @@ import numbers
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _checks
@@ -83,7 +85,7 @@ class PoissonBatch(NamedTuple):
         increasing order; `fused_rows` gives the flat order of a fused step
         (``num_microbatches=``). The padding rows hold ``-1`` (as in jax_privacy's
         `split_and_pad_global_batch`), which NumPy and JAX read as the last
-        example: only the mask keeps it out.
+        example: gather the rows with `take`, which reads no example for them.
       mask: ``bool[num_microbatches, microbatch_size]``, True for the real
         examples.
       size: the number of real examples (after truncation, if any).
@@ -114,6 +116,56 @@ class PoissonBatch(NamedTuple):
         micro-batches, which the loop skips, stay all padding.
         """
         return self.indices.T.reshape(-1), self.mask.T.reshape(-1)
+
+    def take(self, *arrays: Any, fused: bool = True) -> tuple:
+        """The batch's rows of each of ``arrays``, padding rows as zeros, and
+        the mask.
+
+        Indexing with `indices` reads example ``N - 1`` for every padding row
+        (``-1``), so an example that was not sampled would reach the sum
+        wherever the mask is not applied (issue 39). Here a padding row reads
+        no example: it is zeros, whatever the data set holds.
+
+        Pass the mask to `clipped_value_and_grad` (``example_mask_fn``) as
+        well: a zero row has a gradient of its own (a bias's, say), and only
+        the mask makes it contribute exactly zero, so that adding or removing
+        an example moves the sum by at most ``C``.
+
+        Args:
+          *arrays: NumPy or JAX arrays (or pytrees of them) of ``N`` rows
+            along their leading axis, e.g. the inputs and the labels.
+          fused: the rows in `fused_rows`' order, one flat batch (for
+            ``num_microbatches=``); False: shaped ``(num_microbatches,
+            microbatch_size, ...)``, micro-batch ``j`` at ``[j]``.
+
+        Returns:
+          ``(*rows, mask)``: one gathered array (or pytree) per argument and
+          the matching boolean mask, True for the real examples.
+
+        Examples:
+          >>> import numpy as np
+          >>> from optax_accum import privacy
+          >>> batch = privacy.PoissonBatch(
+          ...     0, np.array([[1, 3], [-1, -1]], np.int32),
+          ...     np.array([[True, True], [False, False]]), 2, False)
+          >>> x = np.arange(1.0, 5.0)  # 4 examples: 1, 2, 3, 4
+          >>> rows, mask = batch.take(x, fused=False)
+          >>> rows.tolist(), mask.tolist()  # no 4.0 (example -1) in the padding
+          ([[2.0, 4.0], [0.0, 0.0]], [[True, True], [False, False]])
+        """
+        if fused:
+            indices, mask = self.fused_rows()
+        else:
+            indices, mask = self.indices, self.mask
+        safe = np.where(mask, indices, 0)
+
+        def gather(a):
+            xp = np if isinstance(a, np.ndarray | np.generic) else jnp
+            rows = a[safe]
+            keep = mask.reshape(mask.shape + (1,) * (rows.ndim - mask.ndim))
+            return xp.where(keep, rows, xp.zeros_like(rows))
+
+        return (*(jax.tree.map(gather, a) for a in arrays), mask)
 
 
 class PoissonMicrobatches:

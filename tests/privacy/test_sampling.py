@@ -279,3 +279,43 @@ def test_fused_rows_give_the_fused_loop_the_batch_micro_batches():
         want = x[batch.indices[batch.mask]].sum(0)
         np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-5)
     assert len(traces) == 1
+
+
+def test_padding_rows_read_no_example():
+    # Issue 39, finding 5: indexing with the -1 padding read example N - 1
+    # into every padding row; changing it, unsampled, moved the clipped sum
+    # by 23.0 (bound 1). `take` reads no example for them.
+    from .reference import clipped_sum, data, loss
+
+    n, c = 40, 1.0
+    params, x, y = data(rows=n, scale=3.0)
+    sampler = privacy.poisson_microbatches(n, 0.1, 4, seed=0)
+    batch = next(
+        b
+        for b in sampler
+        if b.size and not b.mask.all() and n - 1 not in b.indices[b.mask]
+    )
+    k = sampler.num_microbatches
+    plain = privacy.clipped_value_and_grad(loss, c, k, batch_argnums=(1, 2))
+    masked = privacy.clipped_value_and_grad(
+        lambda p, x, y, m: loss(p, x, y), c, k, batch_argnums=(1, 2, 3),
+        example_mask_fn=lambda x, y, m: m,
+    )  # fmt: skip
+    x2, y2 = x.copy(), y.copy()
+    x2[n - 1], y2[n - 1] = 100.0, -100.0  # not sampled in this batch
+    sums = []
+    for xs, ys in [(x, y), (x2, y2)]:
+        xb, yb, mask = batch.take(xs, ys)
+        sums.append((plain(params, xb, yb)[1], masked(params, xb, yb, mask)[1]))
+    for a, b in zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # with the mask, exactly the sampled examples' clipped sum
+    real = batch.indices[batch.mask]
+    _, ref = clipped_sum(params, x[real], y[real], c)
+    for a, r in zip(jax.tree.leaves(sums[0][1]), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+    # JAX arrays and the per-micro-batch layout
+    xj, mask = batch.take(jnp.asarray(x), fused=False)
+    assert isinstance(xj, jax.Array) and xj.shape == (k, 4, 3)
+    np.testing.assert_array_equal(np.asarray(xj)[~mask], 0.0)
+    np.testing.assert_array_equal(np.asarray(xj)[mask], x[real])
