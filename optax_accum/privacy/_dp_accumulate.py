@@ -11,6 +11,7 @@ and refuses the options that would break the privacy accounting.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _checks, _dtypes, _schedules
-from .._accumulate import accumulate
+from .._accumulate import Engine, accumulate
 from .._typing import AccumulatorDType, AxisName
 from . import _checks as _privacy_checks
 from ._noise import add_noise
@@ -126,6 +127,10 @@ def dp_accumulate(
       TypeError: for an ``inner`` that is not an optimizer, a ``key`` that is
         not a PRNG key, or any option that is not a number.
 
+    At ``init``, a ValueError if an accumulating wrapper
+    (``optax.MultiSteps``, `accumulate`, `MultiSteps`) holds this
+    transformation: it would average or sum noised windows.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> from optax_accum import privacy
@@ -192,7 +197,39 @@ def dp_accumulate(
             )
         return tx.update(_widened(grads), state, params, **extra_args)
 
-    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+    def init_fn(params: optax.Params) -> Any:
+        _refuse_accumulating_wrappers(sys._getframe(1))
+        return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_accumulating_wrappers(frame: Any) -> None:
+    """No accumulator around `dp_accumulate` (issue 39, finding 8).
+
+    ``optax.MultiSteps(dp_accumulate(...), 2)`` or ``accumulate(dp_accumulate(
+    ...), 2)`` average or sum noised windows: a mechanism the accounting does
+    not describe. The wrapper calls this ``init`` from its own, so it is
+    found among the callers: an ``optax.MultiSteps`` (optax's class, which
+    cannot be asked) or the core's engine (`accumulate`, `MultiSteps`).
+    """
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, optax.MultiSteps | Engine):
+            name = (
+                "optax.MultiSteps"
+                if isinstance(owner, optax.MultiSteps)
+                else "optax_accum.accumulate (or optax_accum.MultiSteps)"
+            )
+            raise ValueError(
+                f"`dp_accumulate` must not be wrapped in {name}: it closes "
+                "its own windows and noises each once, and an accumulator "
+                "around it would average or sum noised windows, which the "
+                "privacy accounting does not describe. Give the calls of a "
+                "logical batch to dp_accumulate's `every_k` instead (e.g. "
+                "dp_accumulate(inner, 2 * every_k, ...))."
+            )
+        frame = frame.f_back
 
 
 def _at_least_float32(policy: Any) -> Any:

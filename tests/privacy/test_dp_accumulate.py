@@ -372,3 +372,34 @@ def test_narrow_dtypes_do_not_raise_the_sensitivity(grad_dtype, accumulator_dtyp
     a, b = window(2.0), window(1.75)
     assert (a, b) == (1022.0, 1021.75)
     assert abs(a - b) <= 1.0 + 1e-4
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda tx: optax.MultiSteps(tx, 2),
+        lambda tx: optax.MultiSteps(tx, 2).gradient_transformation(),
+        lambda tx: optax_accum.accumulate(tx, 2),
+        lambda tx: optax_accum.MultiSteps(tx, 2),
+        lambda tx: optax_accum.accumulate(optax.chain(optax.identity(), tx), 2),
+    ],
+)
+def test_an_accumulator_around_dp_accumulate_is_refused_at_init(wrap):
+    # Issue 39, finding 8: it would average or sum noised windows.
+    params = {"w": jnp.zeros(3)}
+    outer = wrap(_tx(k=1))
+    with pytest.raises(ValueError, match="`dp_accumulate` must not be wrapped in"):
+        outer.init(params)
+    with pytest.raises(ValueError, match="must not be wrapped"):
+        jax.jit(outer.init)(params)
+
+
+def test_dp_accumulate_alone_or_in_a_chain_inits():
+    params = {"w": jnp.zeros(3)}
+    for tx in [
+        _tx(k=2),
+        optax.chain(_tx(k=2)),
+        _tx(optax.MultiSteps(optax.sgd(1.0), 1)),
+    ]:
+        u, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+        assert u["w"].shape == (3,)
