@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -61,6 +62,28 @@ def binomial_tail_bound(n: int, p: float, cap: int) -> float:
     if t <= 0:
         return 1.0
     return min(1.0, math.exp(-(t * t) / (2.0 * (n * p * (1.0 - p) + t / 3.0))))
+
+
+def binomial_tail(n: int, p: float, cap: int) -> float:
+    """``P(Binomial(n, p) > cap)``, summed term by term (in logs) from
+    ``cap + 1`` until the terms stop counting."""
+    if cap >= n:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    total, k = 0.0, cap + 1
+    while k <= n:
+        log_term = (
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * log_p + (n - k) * log_q
+        )  # fmt: skip
+        term = math.exp(log_term)
+        total += term
+        if k > n * p and term < 1e-17 * total:
+            break
+        k += 1
+    return min(1.0, total)
 
 
 def _bernstein_cap(n: int, p: float, bound: float) -> int:
@@ -210,6 +233,7 @@ class PoissonMicrobatches:
         # The truncation threshold is the padded shape's capacity (above N it
         # is never reached on this data set, but may be on its neighbour's).
         self.max_batch_size = self.num_microbatches * m
+        self._warned = False  # truncation warns once per sampler
 
     @property
     def expected_batch_size(self) -> float:
@@ -245,6 +269,9 @@ class PoissonMicrobatches:
                 f"of {self.microbatch_size}; raise `max_microbatches`, or pass "
                 '`overflow="truncate"` and account for the truncation.'
             )
+        if truncated and not self._warned:
+            self._warned = True
+            self._warn_truncation(step, size)
         # Truncation keeps a uniform subset of the draw: the same distribution
         # as a uniform subset of size `cap` of the whole data set.
         size = min(size, cap)
@@ -253,6 +280,24 @@ class PoissonMicrobatches:
         flat[:size] = chosen
         indices = flat.astype(np.int32).reshape(self.num_microbatches, -1)
         return PoissonBatch(step, indices, indices >= 0, size, truncated)
+
+    def _warn_truncation(self, step: int, size: int) -> None:
+        """Truncation is another mechanism: say so, with what it costs."""
+        n, cap = self.num_examples, self.max_batch_size
+        p = binomial_tail(n, self.sampling_rate, cap)
+        warnings.warn(
+            f"Logical batch {step} drew {size} examples and was truncated to "
+            f"the cap of {cap} (`max_microbatches={self.num_microbatches}` "
+            f"micro-batches of {self.microbatch_size}); a batch is truncated "
+            f"with probability {p:.3g} ({100 * p:.3g}%) per step. Truncated "
+            "Poisson sampling spends more privacy than Poisson sampling: "
+            "account for it with epsilon(..., accountant='pld', "
+            f"truncated_batch_size={cap}, num_examples={n}), raise "
+            '`max_microbatches`, or pass overflow="raise". This warning is '
+            "given once per sampler.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __iter__(self) -> Iterator[PoissonBatch]:
         step = self.start
@@ -301,8 +346,10 @@ def poisson_microbatches(
     ``max_microbatches``. A draw above the cap is:
 
     - ``overflow="truncate"`` (default): cut to a uniform random subset of
-      ``cap`` examples, as jax_privacy's ``truncated_batch_size`` does. The
-      batches are then *truncated* Poisson sampling. ``epsilon(...,
+      ``cap`` examples, as jax_privacy's ``truncated_batch_size`` does, with
+      a ``UserWarning`` at the first truncated batch (once per sampler) that
+      gives the probability of a truncation per step. The batches are then
+      *truncated* Poisson sampling. ``epsilon(...,
       truncated_batch_size=sampler.max_batch_size, num_examples=N,
       accountant="pld")`` accounts for it exactly; or, with ``p =
       overflow_probability`` and ``T`` steps, the untruncated ``(ε, δ)`` holds

@@ -10,6 +10,7 @@ the cap, and jax_privacy's batch selection for `pad_microbatches`.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,9 @@ def test_overflow_truncates_to_a_uniform_subset_of_the_cap():
     sampler = privacy.poisson_microbatches(100, 0.5, 4, seed=0, max_microbatches=10)
     assert sampler.max_batch_size == 40 and sampler.overflow_probability > 0.5
     counts, truncated, steps = np.zeros(100), 0, 1000
-    for batch in _draws(sampler, steps):
+    with pytest.warns(UserWarning, match="truncated to the cap of 40"):
+        batches = _draws(sampler, steps)
+    for batch in batches:
         assert batch.size <= 40 and batch.mask.all() == (batch.size == 40)
         truncated += batch.truncated
         counts[batch.indices[batch.mask]] += 1
@@ -319,3 +322,23 @@ def test_padding_rows_read_no_example():
     assert isinstance(xj, jax.Array) and xj.shape == (k, 4, 3)
     np.testing.assert_array_equal(np.asarray(xj)[~mask], 0.0)
     np.testing.assert_array_equal(np.asarray(xj)[mask], x[real])
+
+
+def test_truncation_by_a_user_cap_warns_once_with_its_probability():
+    # Issue 39, finding 9: N = 500, q = 0.05, cap 40 truncated a batch in
+    # about 650 silently (the `truncated` flag only).
+    sampler = privacy.poisson_microbatches(500, 0.05, 8, seed=0, max_microbatches=5)
+    assert sampler.max_batch_size == 40
+    p = stats.binom.sf(40, 500, 0.05)  # 0.155% per step
+    with pytest.warns(UserWarning, match=r"probability 0\.00155 \(0\.155%\) per step"):
+        first = next(b for b in sampler if b.truncated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per sampler
+        later = [b.step for b in itertools.islice(sampler, 20_000) if b.truncated]
+    assert len(later) > 1 and first.step in later
+    assert _sampling.binomial_tail(500, 0.05, 40) == pytest.approx(p, rel=1e-9)
+    # no truncation, no warning: the default cap, or overflow="raise"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = privacy.poisson_microbatches(500, 0.05, 8, seed=0)
+        assert not any(b.truncated for b in itertools.islice(default, 2000))
