@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _checks, _dtypes, _schedules
-from .._accumulate import Engine, accumulate
+from .._accumulate import Engine, sum_and_clear
 from .._typing import AccumulatorDType, AxisName
 from . import _checks as _privacy_checks
 from ._noise import add_noise
@@ -174,10 +174,11 @@ def dp_accumulate(
     b = _privacy_checks.expected_batch_size(expected_batch_size)
     key_data, impl = _privacy_checks.prng_key(key)
     mechanism = add_noise(sigma * c, b, key_data, impl)
-    tx = accumulate(
+    # The boundary branch zeroes the window's sums: after it, nothing un-noised
+    # stays in the state (or a checkpoint of it).
+    tx = sum_and_clear(
         optax.chain(mechanism, inner),
         every_k,
-        reduction="sum",
         accumulator_dtype=_at_least_float32(accumulator_dtype),
         axis_name=axis_name,
     )

@@ -91,6 +91,9 @@ def test_shard_map_axis_name_equals_one_device_and_params_stay_identical():
     # the noise is the one device's, not N draws: its scale is sigma C / B
     noiseless = _one_device(params, xs, ys, sigma=0.0)
     assert not np.allclose(np.asarray(p["w"]), np.asarray(noiseless["w"]))
+    # after the boundary no device keeps its clipped sum (issue 39, finding 4)
+    for a in jax.tree.leaves(state.accumulator):
+        np.testing.assert_array_equal(np.asarray(a), 0.0)
 
 
 def test_global_view_data_parallel_equals_one_device():

@@ -403,3 +403,24 @@ def test_dp_accumulate_alone_or_in_a_chain_inits():
     ]:
         u, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
         assert u["w"].shape == (3,)
+
+
+def test_no_clipped_sum_outlives_its_window():
+    # Issue 39, finding 4: after the boundary the accumulator still held the
+    # window's exact clipped sum (and so did a checkpoint of the state).
+    params, x, y = data(rows=16, scale=2.0)
+    updates, state = _run(_tx(k=2, sigma=0.0), params, x, y, calls=4, k_per_call=2)
+    for a in jax.tree.leaves(state.accumulator):
+        np.testing.assert_array_equal(a, np.zeros_like(a))
+    for t, (lo, hi) in enumerate([(0, 8), (8, 16)]):  # the reference, unchanged
+        _, ref = clipped_sum(params, x[lo:hi], y[lo:hi], C)
+        for u, r in zip(jax.tree.leaves(updates[2 * t + 1]), jax.tree.leaves(ref),
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(-np.asarray(u), r / B, rtol=1e-5, atol=1e-7)
+    # mid-window the sum is there (it is needed), and a plain accumulate keeps
+    # its stale buffer after a boundary (no pass of its own to clear it)
+    _, mid = _run(_tx(k=4, sigma=0.0), params, x, y, calls=2, k_per_call=2)
+    assert all(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(mid.accumulator))
+    plain = optax_accum.accumulate(optax.sgd(1.0), 2, reduction="sum")
+    _, kept = _run(plain, params, x, y, calls=4, k_per_call=2)
+    assert all(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(kept.accumulator))
