@@ -128,6 +128,20 @@ class PoissonBatch(NamedTuple):
         first); the rest are all padding, and a loop may skip them."""
         return -(-self.size // self.indices.shape[1])
 
+    @property
+    def num_calls(self) -> int:
+        """The micro-batches a per-call loop feeds `dp_accumulate`, closing
+        the window (``close_window=True``) on the last: the real ones, and
+        one all-padding micro-batch when the batch is empty.
+
+        An empty batch must still close a window, so that it draws its noise:
+        a loop over the real micro-batches only makes no call, leaves the
+        parameters exactly unchanged (which reveals the empty batch) and
+        parts from the fused step (issue 39). The all-padding micro-batch's
+        clipped sum is exactly zero, and computing it costs nothing.
+        """
+        return max(1, self.num_real_microbatches)
+
     def fused_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """``(indices, mask)`` as one flat batch of rows, in the order the fused
         loop splits it.

@@ -424,3 +424,37 @@ def test_no_clipped_sum_outlives_its_window():
     plain = optax_accum.accumulate(optax.sgd(1.0), 2, reduction="sum")
     _, kept = _run(plain, params, x, y, calls=4, k_per_call=2)
     assert all(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(kept.accumulator))
+
+
+def test_an_empty_poisson_batch_draws_its_noise_per_call_as_fused():
+    # Issue 39, finding 7: a per-call loop over the real micro-batches made no
+    # call on an empty batch: no noise, the parameters exactly unchanged.
+    params, x, y = data(rows=40, scale=2.0)
+    sampler = privacy.poisson_microbatches(40, 0.02, 4, seed=0)
+    batch = next(b for b in sampler if b.size == 0)
+    assert batch.num_real_microbatches == 0 and batch.num_calls == 1
+    k = sampler.num_microbatches
+
+    def masked(num_microbatches):
+        return privacy.clipped_value_and_grad(
+            lambda p, x, y, m: loss(p, x, y), C, num_microbatches,
+            batch_argnums=(1, 2, 3), example_mask_fn=lambda x, y, m: m,
+        )  # fmt: skip
+
+    fused_tx, per_call_tx = _tx(k=1), _tx(k=k)
+    fused, _ = fused_tx.update(
+        masked(k)(params, *batch.take(x, y))[1], fused_tx.init(params), params
+    )
+    state = per_call_tx.init(params)
+    xs, ys, masks = batch.take(x, y, fused=False)
+    for j in range(batch.num_calls):
+        grads = masked(1)(params, xs[j], ys[j], masks[j])[1]
+        last = j == batch.num_calls - 1
+        u, state = per_call_tx.update(grads, state, params, close_window=last)
+    assert bool(optax_accum.has_updated(state))
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(u), strict=True):
+        np.testing.assert_array_equal(a, b)
+    draw = _noise_draw(jax.random.key(7), 0, params)  # the noise alone
+    for a, z in zip(jax.tree.leaves(u), jax.tree.leaves(draw), strict=True):
+        np.testing.assert_allclose(-np.asarray(a), SIGMA * C / B * np.asarray(z),
+                                   rtol=1e-5, atol=1e-7)  # fmt: skip
