@@ -72,6 +72,10 @@ def clipped_value_and_grad(
     parameters are made to vary over the batch's axes before the
     differentiation, so no per-example gradient is summed over devices before
     its clip); pass ``axis_name`` to `dp_accumulate`, which reduces the sums.
+    A parameter split over another manual axis (tensor parallelism: ``w``
+    placed ``P("model")``, the forward summing over ``"model"``) is a shard
+    of each example's gradient: its squares are summed over that axis, so
+    every device clips by the whole gradient's norm, not its shard's.
 
     Args:
       loss: ``loss(params, *args) -> value`` (``(value, aux)`` with
@@ -177,7 +181,7 @@ def _clipped(loss, c, k, idx, shared, has_aux, mask_fn, params, *args):
         # gradient over the devices (mixing examples) before the clip.
         axes = _varying_axes(batch)
         params = _sharding.to_varying(params, axes)
-        step = functools.partial(_microbatch, loss, c, idx, has_aux, mask_fn)
+        step = functools.partial(_microbatch, loss, c, idx, axes, has_aux, mask_fn)
         acc = jax.tree.map(_buffer, params)
         vtype = jnp.promote_types(_dtypes.weight_dtype(params), jnp.float32)
         carry = (acc, jnp.zeros([], vtype), jnp.zeros([], jnp.int32))
@@ -199,26 +203,30 @@ def _clipped(loss, c, k, idx, shared, has_aux, mask_fn, params, *args):
         return (value, aux), grads
 
 
-def _microbatch(loss, c, idx, has_aux, mask_fn, params, rest, mb):
+def _microbatch(loss, c, idx, axes, has_aux, mask_fn, params, rest, mb):
     """One micro-batch: its clipped sum, loss sum, real rows and aux; all
     zeros, computing nothing, when every row is padding."""
     m = jax.tree.leaves(mb)[0].shape[0]
     mask = _mask(mask_fn, mb, m)
     shapes = jax.eval_shape(
-        functools.partial(_compute, loss, c, idx, has_aux), params, rest, mb, mask
+        functools.partial(_compute, loss, c, idx, axes, has_aux),
+        params,
+        rest,
+        mb,
+        mask,
     )
 
     def skip(params, rest, mb, mask):
         del params, rest, mb, mask
         return jax.tree.map(_zeros, shapes)
 
-    compute = functools.partial(_compute, loss, c, idx, has_aux)
+    compute = functools.partial(_compute, loss, c, idx, axes, has_aux)
     out = lax.cond(jnp.any(mask), compute, skip, params, rest, mb, mask)
     grads, loss_sum, aux = out
     return grads, loss_sum, jnp.sum(mask, dtype=jnp.int32), aux
 
 
-def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
+def _compute(loss, c, idx, axes, has_aux, params, rest, mb, mask):
     def one(params, rows):
         by_index = dict(zip(idx, rows, strict=True))
         others = iter(rest)
@@ -236,7 +244,11 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
     (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(
         _gathered(params, rows), rows
     )
-    clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c))(grads)
+    # The norm is the whole example's: a leaf split over a model axis sums its
+    # shards' squares over it (`clip`'s ``data_axes``: the examples' axes).
+    clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c, data_axes=axes))(
+        grads
+    )
 
     def masked(x):  # a select, not a product: 0 * NaN is NaN
         keep = _rows_like(mask, x).reshape(mask.shape + (1,) * (x.ndim - 1))
