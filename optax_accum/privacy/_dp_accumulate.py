@@ -5,8 +5,11 @@
 Built on `accumulate` in sum mode, with the Gaussian mechanism (`_noise`) as
 the first step of the inner chain. So the schedule of windows, ``close_window``,
 the reduction over devices before the boundary, the single ``lax.cond`` and the
-exact zeros of hold steps are the core's; this module only adds the noise
-and refuses the options that would break the privacy accounting.
+exact zeros of hold steps are the core's (`sum_and_clear`: its boundary
+branch also zeroes the window's sums, so nothing un-noised outlives a
+window). This module adds the noise, keeps the window in at least float32,
+and refuses what would break the privacy accounting: a ``weight``, or an
+accumulating wrapper around it.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ def dp_accumulate(
     with :math:`\sigma` = ``noise_multiplier``, :math:`C` = ``l2_clip_norm``
     and :math:`B` = ``expected_batch_size``. A complex entry is two real
     coordinates, as the clip measures it: its real and imaginary parts each
-    get noise of standard deviation :math:`\sigma C`. Divide by the *expected* batch
-    size (``sampling_rate * num_examples`` under Poisson sampling): dividing
-    by the realised size would leak it.
+    get noise of standard deviation :math:`\sigma C`. Divide by the
+    *expected* batch size (``sampling_rate * num_examples`` under Poisson
+    sampling): dividing by the realised size would leak it.
 
     Hold steps emit exact zeros and draw no noise. The key lives in the state
     (`DPNoiseState`): the same key and data give the same run, a checkpoint
