@@ -73,13 +73,13 @@ def dp_accumulate(
 
     **Dtypes.** The window is summed, noised and divided in at least float32,
     whatever the gradients' dtype and ``accumulator_dtype``: a narrower
-    accumulator is widened to float32, and bf16 or fp16 gradients are cast
-    to float32 before they are summed. A sum rounded to bf16 would move by
-    more than ``C`` when one example changes (issue 39: 1024 vs 1020 for two
-    windows whose exact sums differ by 0.25). `clipped_value_and_grad`
-    returns its sums in float32 already. The updates are float32 (float64 or
-    complex where the gradients are) and ``optax.apply_updates`` casts them
-    to the parameters' dtype.
+    accumulator (or ``None``) is taken as ``"promote"``, and bf16 or fp16
+    gradients are cast to float32 before they are summed. A sum rounded to
+    bf16 would move by more than ``C`` when one example changes (issue 39:
+    1024 vs 1020 for two windows whose exact sums differ by 0.25).
+    `clipped_value_and_grad` returns its sums in float32 already. The updates
+    are float32 (float64 or complex where the gradients are) and
+    ``optax.apply_updates`` casts them to the parameters' dtype.
 
     **Devices.** With ``axis_name`` (inside ``shard_map`` or ``pmap``), each
     device sums its own examples and the sums are reduced over devices before
@@ -115,8 +115,8 @@ def dp_accumulate(
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (see
         **Devices**).
       accumulator_dtype: as `accumulate`'s (``"promote"``: at least float32);
-        a narrower dtype (or ``None`` for bf16 gradients) is widened to
-        float32 (see **Dtypes**).
+        a dtype narrower than float32, or ``None``, is taken as ``"promote"``
+        (see **Dtypes**).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -248,9 +248,11 @@ def _at_least_float32(policy: Any) -> Any:
 
 
 def _wide(policy: Any) -> Any:
-    if policy is None or isinstance(policy, str):
+    """A narrow or gradient-dtype policy as ``"promote"``: at least float32,
+    of each gradient's own kind (complex stays complex)."""
+    if policy is None or isinstance(policy, str) or _dtypes.is_narrow(policy):
         return _dtypes.PROMOTE
-    return jnp.promote_types(policy, jnp.float32)
+    return policy
 
 
 def _widened(grads: optax.Updates) -> optax.Updates:
