@@ -18,6 +18,14 @@ Two questions, on a ReLU MLP, one process:
    hand-written ``lax.scan`` that clips and masks every micro-batch, grows as
    (8 + p) / 8. Interleaved rounds, median ratios with their 25th-75th
    percentiles.
+3. **Clearing.** `dp_accumulate` zeroes the window's sums in its boundary
+   branch, so that no state leaf keeps the un-noised sum (issue 39). Against
+   the same mechanism without the clear (``accumulate(chain(noise, adam),
+   reduction="sum")``, the composition before it): one per-call window of
+   ``k`` updates (a clipped micro-batch each) and the update alone, with the
+   state donated, time ratios; and the compiled update's temp and peak
+   bytes, with and without donation. The clear routes the accumulator
+   through the ``lax.cond``: without donation that is a copy of it.
 
 ``python benchmarks/bench_privacy.py [--quick] [--out benchmarks/results/privacy.md]``
 """
@@ -33,7 +41,9 @@ import numpy as np
 import optax
 from jax import lax
 
+import optax_accum
 from optax_accum import privacy
+from optax_accum.privacy import _noise
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "cpu": {"width": 256, "layers": 3, "logical": 512, "real": 8, "rounds": 7},
@@ -158,12 +168,89 @@ def padding(cfg: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+CLEAR_K = 4
+
+
+def _noised_sums(clear: bool, sigma: float, b: float):
+    """`dp_accumulate` (the clear) or the composition without it."""
+    key = jax.random.key(0)
+    if clear:
+        return privacy.dp_accumulate(
+            optax.adam(1e-3), CLEAR_K, l2_clip_norm=C, noise_multiplier=sigma,
+            expected_batch_size=b, key=key,
+        )  # fmt: skip
+    mechanism = _noise.add_noise(
+        sigma * C, b, jax.random.key_data(key), jax.random.key_impl(key)
+    )
+    return optax_accum.accumulate(
+        optax.chain(mechanism, optax.adam(1e-3)), CLEAR_K, reduction="sum"
+    )
+
+
+def clearing(cfg: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
+    params = _params(cfg["width"], cfg["layers"])
+    x, y = _data(CLEAR_K * MICRO, cfg["width"])
+    xs, ys = (jnp.split(a, CLEAR_K) for a in (x, y))
+    vg = privacy.clipped_value_and_grad(_loss, C, 1, batch_argnums=(1, 2))
+    grads = jax.jit(lambda p: vg(p, xs[0], ys[0])[1])(params)
+    variants, mem = {}, {}
+    for name in ("kept", "cleared"):
+        tx = _noised_sums(name == "cleared", 1.0, CLEAR_K * MICRO)
+        state = tx.init(params)
+
+        def step(p, s, x, y, tx=tx):
+            u, s = tx.update(vg(p, x, y)[1], s, p)
+            return optax.apply_updates(p, u), s
+
+        # The state is donated, as a training loop donates it.
+        step = jax.jit(step, donate_argnums=1)
+        update = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p), donate_argnums=1)
+        for donated, f in (("kept", jax.jit(update.__wrapped__)), ("donated", update)):
+            mem[name, donated] = harness.compiled_memory(
+                f.lower(grads, state, params).compile()
+            )
+
+        def window(s, step=step):
+            p = params
+            for x, y in zip(xs, ys, strict=True):
+                p, s = step(p, s, x, y)
+            return p, s
+
+        def updates(s, update=update):
+            for _ in range(CLEAR_K):
+                u, s = update(grads, s, params)
+            return u, s
+
+        fresh = lambda state=state: jax.tree.map(jnp.copy, state)
+        variants["window", name] = harness.Timed(window, fresh)
+        variants["update", name] = harness.Timed(updates, fresh)
+    times = harness.interleaved(variants, rounds)
+    return [
+        {
+            "what": what,
+            "ratio": harness.ratio(times, (what, "cleared"), (what, "kept")),
+            "kept_ms": 1e3 * harness.median(times[what, "kept"]),
+        }
+        for what in ("window", "update")
+    ] + [
+        {
+            "what": f"memory, state {donated}",
+            "temp_kept": mem["kept", donated]["temp"],
+            "temp_cleared": mem["cleared", donated]["temp"],
+            "peak_kept": mem["kept", donated]["peak"],
+            "peak_cleared": mem["cleared", donated]["peak"],
+        }
+        for donated in ("kept", "donated")
+    ]
+
+
 def measure(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     cfg = harness.cli.sizes(CONFIGS, quick, rounds=rounds)
     return {
         "config": cfg,
         "memory": memory(cfg),
         "padding": padding(cfg, cfg["rounds"]),
+        "clearing": clearing(cfg, cfg["rounds"]),
     }
 
 
@@ -223,6 +310,46 @@ def markdown(data: dict[str, Any]) -> str:
             for r in data["padding"]
         ],
         "rrrrr",
+    )
+    rows = data.get("clearing", ())
+    lines += [
+        "",
+        f"## Clearing: the boundary zeroes the window's sums; {CLEAR_K} calls "
+        f"per window, micro-batches of {MICRO}",
+        "",
+        "`dp_accumulate` against the same mechanism without the clear, the "
+        f"state donated. window: {CLEAR_K} calls of (clip a micro-batch, "
+        f"update); update: {CLEAR_K} updates alone, on a clipped sum.",
+        "",
+    ]
+    lines += harness.table(
+        ["timed", "time, cleared / kept", "kept ms"],
+        [
+            (r["what"], _r(r["ratio"]), f"{r['kept_ms']:.2f}")
+            for r in rows
+            if "ratio" in r
+        ],
+        "lrr",
+    )
+    lines += [
+        "",
+        "The compiled update's `memory_analysis()`, bytes:",
+        "",
+    ]
+    lines += harness.table(
+        ["update", "temp, kept", "temp, cleared", "peak, kept", "peak, cleared"],
+        [
+            (
+                r["what"],
+                f"{r['temp_kept']:,}",
+                f"{r['temp_cleared']:,}",
+                f"{r['peak_kept']:,}",
+                f"{r['peak_cleared']:,}",
+            )
+            for r in rows
+            if "temp_kept" in r
+        ],
+        "lrrrr",
     )
     return "\n".join(lines) + "\n"
 

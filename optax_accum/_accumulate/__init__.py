@@ -10,6 +10,8 @@ The engine (`_engine`) is shared by both transformations.
 from ._accumulate import AccumulateState as AccumulateState
 from ._accumulate import accumulate as accumulate
 from ._accumulate import state_specs as state_specs
+from ._accumulate import sum_and_clear as sum_and_clear
+from ._engine import Engine as Engine
 from ._multisteps import MultiSteps as MultiSteps
 from ._multisteps import MultiStepsState as MultiStepsState
 from ._skip import SkipFn as SkipFn

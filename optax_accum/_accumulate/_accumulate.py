@@ -9,6 +9,7 @@ This module owns the public face: `AccumulateState`, the `accumulate` factory
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -236,6 +237,28 @@ def accumulate(
         allow_value_fn,
         noise_scale_decay,
     )
+    return _transformation(engine)
+
+
+def sum_and_clear(
+    inner: optax.GradientTransformation,
+    every_k: _schedules.EveryK,
+    *,
+    accumulator_dtype: AccumulatorDType,
+    axis_name: AxisName | None,
+) -> optax.GradientTransformationExtraArgs:
+    """`accumulate` in sum mode whose boundary branch zeroes the window's
+    sums: once a window is emitted, no state leaf holds them (the privacy
+    wing's, whose sum is secret until it is noised). Options as
+    `accumulate`'s, checked in its names."""
+    engine = _engine_for(
+        inner, every_k, "sum", accumulator_dtype, None, axis_name, None, False, None
+    )
+    return _transformation(dataclasses.replace(engine, clear_sums=True))
+
+
+def _transformation(engine: Engine) -> optax.GradientTransformationExtraArgs:
+    """`accumulate`'s init and update around a checked engine."""
 
     def init_fn(params: optax.Params) -> AccumulateState:
         return _init(engine, params)

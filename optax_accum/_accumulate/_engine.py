@@ -103,6 +103,10 @@ class Engine:
       extra_args: how to read one call's extra args,
         ``(extra_args, *, value_slot) -> WindowArgs`` (`_extra_args.read`).
       noise_scale_decay: the noise-scale EMA decay, or None.
+      clear_sums: zero the window's sums in the boundary branch, so that no
+        state leaf holds them once the window is emitted (the privacy wing:
+        the clipped sum is secret until it is noised). Off elsewhere: the
+        next window overwrites the stale buffer without a pass of its own.
     """
 
     inner: optax.GradientTransformationExtraArgs
@@ -115,6 +119,7 @@ class Engine:
     data_axes: tuple[str, ...]
     extra_args: Callable[..., _extra_args.WindowArgs]  # (extra_args, *, value_slot)
     noise_scale_decay: float | None
+    clear_sums: bool = False
 
     # ---- the state ---------------------------------------------------------
 
@@ -173,7 +178,7 @@ class Engine:
                 # it stays open, so the inner never gets a value it was not
                 # given (`MultiSteps.from_optax`).
                 emit = emit & (value.count > 0)
-            updates, inner_state, stepped, stats = self._update_or_hold(
+            updates, inner_state, stepped, stats, acc = self._update_or_hold(
                 emit, mb, window, params, acc, _value_since.current(value),
                 mean_weight, micro, noise,
             )  # fmt: skip
@@ -265,7 +270,8 @@ class Engine:
     def _update_or_hold(
         self, emit, mb, window, params, acc, value, weight, micro, noise
     ):
-        """The single `lax.cond`: the inner optimizer on boundary steps only."""
+        """The single `lax.cond`: the inner optimizer on boundary steps only
+        (with ``clear_sums``, the window's sums zeroed there too)."""
         # Both branches return the inner state where `offload` keeps it,
         # whatever memory it arrived in (a restore, a user's write).
         inner_state = memory.settle(
@@ -285,17 +291,20 @@ class Engine:
 
         def boundary(acc, value, weight, micro, inner_state, params, dynamic, stats):
             with jax.named_scope("optax_accum/boundary"):
-                return self._boundary(
+                out = self._boundary(
                     mb, shapes, acc, value, weight, micro, inner_state, params,
                     dynamic, stats,
                 )  # fmt: skip
+                # Only with clear_sums does the accumulator leave the cond.
+                return (*out, jax.tree.map(_zeros_like, acc) if self.clear_sums else ())
 
         def hold(acc, value, weight, micro, inner_state, params, dynamic, stats):
-            del acc, value, weight, micro, params, dynamic
+            del value, weight, micro, params, dynamic
             zeros = _hold_updates(shapes, window.update_step)
-            return zeros, inner_state, False, ns.zero_stats() if stats else ()
+            stats = ns.zero_stats() if stats else ()
+            return zeros, inner_state, False, stats, acc if self.clear_sums else ()
 
-        updates, inner_state, stepped, stats = lax.cond(
+        updates, inner_state, stepped, stats, cleared = lax.cond(
             run,
             boundary,
             hold,
@@ -308,7 +317,8 @@ class Engine:
             mb.args.dynamic,
             local_stats,
         )
-        return updates, inner_state, jnp.asarray(stepped, jnp.bool_), stats
+        acc = cleared if self.clear_sums else acc
+        return updates, inner_state, jnp.asarray(stepped, jnp.bool_), stats, acc
 
     def _inner_updates(self, args, grads, inner_state, params, dynamic):
         """What the boundary emits (traced for the hold step's zeros)."""
@@ -395,6 +405,12 @@ def _check_grads(grads: Any, accumulator: Any, devices: Devices) -> None:
 def _window_gradient(g: Any) -> Any:
     """What the boundary passes on for a leaf shaped like ``g``."""
     return _partial_sums.finish(g) if not _dtypes.is_float0(g) else g
+
+
+def _zeros_like(a: jax.Array) -> jax.Array:
+    """Zeros typed as ``a``: its sharding and the manual axes it varies over
+    (a per-device accumulator inside ``shard_map``), as a cond output must."""
+    return _sharding.match_varying(jnp.zeros_like(a), a)
 
 
 def _hold_updates(shapes: Any, counter: jax.Array) -> Any:

@@ -108,6 +108,17 @@ def epsilon(
     what ``dp_accumulate`` does per logical batch. The guarantee is ``(ε,
     δ)``-DP under add-or-remove-one adjacency, as dp_accounting computes it.
 
+    **RDP warnings.** At a large sampling rate (``q`` above about 0.5) or a
+    small ``σ``, dp_accounting's RDP accountant logs (through absl)
+    ``_compute_log_a_frac failed to converge ... Excluding this order``: it
+    drops the fractional Rényi orders whose series does not converge. That
+    is a log, not an error: ε is the minimum over the orders left, still an
+    upper bound, if a looser one when few are left. A log of a *negative*
+    Rényi divergence is another matter (numerical instability, and that
+    order's ε is taken as 0): do not trust that value. ``accountant="pld"``
+    has no orders; compare with it where the value matters, and silence the
+    logs with ``absl.logging.set_verbosity(absl.logging.ERROR)``.
+
     Args:
       noise_multiplier: ``σ >= 0``; 0 gives ``inf``.
       sampling_rate: ``q`` in (0, 1].

@@ -5,19 +5,24 @@
 Built on `accumulate` in sum mode, with the Gaussian mechanism (`_noise`) as
 the first step of the inner chain. So the schedule of windows, ``close_window``,
 the reduction over devices before the boundary, the single ``lax.cond`` and the
-exact zeros of hold steps are the core's; this module only adds the noise
-and refuses the options that would break the privacy accounting.
+exact zeros of hold steps are the core's (`sum_and_clear`: its boundary
+branch also zeroes the window's sums, so nothing un-noised outlives a
+window). This module adds the noise, keeps the window in at least float32,
+and refuses what would break the privacy accounting: a ``weight``, or an
+accumulating wrapper around it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from .. import _checks, _schedules
-from .._accumulate import accumulate
+from .. import _checks, _dtypes, _schedules
+from .._accumulate import Engine, sum_and_clear
 from .._typing import AccumulatorDType, AxisName
 from . import _checks as _privacy_checks
 from ._noise import add_noise
@@ -48,9 +53,11 @@ def dp_accumulate(
             \mathrm{clip}(g_e, C) + \mathcal{N}(0, \sigma^2 C^2 I)\Bigr)
 
     with :math:`\sigma` = ``noise_multiplier``, :math:`C` = ``l2_clip_norm``
-    and :math:`B` = ``expected_batch_size``. Divide by the *expected* batch
-    size (``sampling_rate * num_examples`` under Poisson sampling): dividing
-    by the realised size would leak it.
+    and :math:`B` = ``expected_batch_size``. A complex entry is two real
+    coordinates, as the clip measures it: its real and imaginary parts each
+    get noise of standard deviation :math:`\sigma C`. Divide by the
+    *expected* batch size (``sampling_rate * num_examples`` under Poisson
+    sampling): dividing by the realised size would leak it.
 
     Hold steps emit exact zeros and draw no noise. The key lives in the state
     (`DPNoiseState`): the same key and data give the same run, a checkpoint
@@ -64,12 +71,15 @@ def dp_accumulate(
     of the right scale and no privacy. Compute them with
     `clipped_value_and_grad` with the same ``l2_clip_norm``.
 
-    **Dtypes.** `clipped_value_and_grad` returns its sums in at least float32
-    (for bf16 and fp16 parameters too), and the window, the noise and the
-    division then run in float32; the updates are float32 and
-    ``optax.apply_updates`` casts them to the parameters' dtype. Gradients
-    given in bf16 are summed in float32 (``accumulator_dtype``), but the
-    window's sum is handed to the noise in their dtype.
+    **Dtypes.** The window is summed, noised and divided in at least float32,
+    whatever the gradients' dtype and ``accumulator_dtype``: a narrower
+    accumulator (or ``None``) is taken as ``"promote"``, and bf16 or fp16
+    gradients are cast to float32 before they are summed. A sum rounded to
+    bf16 would move by more than ``C`` when one example changes (issue 39:
+    1024 vs 1020 for two windows whose exact sums differ by 0.25).
+    `clipped_value_and_grad` returns its sums in float32 already. The updates
+    are float32 (float64 or complex where the gradients are) and
+    ``optax.apply_updates`` casts them to the parameters' dtype.
 
     **Devices.** With ``axis_name`` (inside ``shard_map`` or ``pmap``), each
     device sums its own examples and the sums are reduced over devices before
@@ -104,7 +114,9 @@ def dp_accumulate(
         uses.
       axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (see
         **Devices**).
-      accumulator_dtype: as `accumulate`'s (``"promote"``: at least float32).
+      accumulator_dtype: as `accumulate`'s (``"promote"``: at least float32);
+        a dtype narrower than float32, or ``None``, is taken as ``"promote"``
+        (see **Dtypes**).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -117,6 +129,10 @@ def dp_accumulate(
         of keys, ``every_k`` < 1, or a ``weight`` passed to ``update``.
       TypeError: for an ``inner`` that is not an optimizer, a ``key`` that is
         not a PRNG key, or any option that is not a number.
+
+    At ``init``, a ValueError if an accumulating wrapper
+    (``optax.MultiSteps``, `accumulate`, `MultiSteps`) holds this
+    transformation: it would average or sum noised windows.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -161,11 +177,12 @@ def dp_accumulate(
     b = _privacy_checks.expected_batch_size(expected_batch_size)
     key_data, impl = _privacy_checks.prng_key(key)
     mechanism = add_noise(sigma * c, b, key_data, impl)
-    tx = accumulate(
+    # The boundary branch zeroes the window's sums: after it, nothing un-noised
+    # stays in the state (or a checkpoint of it).
+    tx = sum_and_clear(
         optax.chain(mechanism, inner),
         every_k,
-        reduction="sum",
-        accumulator_dtype=accumulator_dtype,
+        accumulator_dtype=_at_least_float32(accumulator_dtype),
         axis_name=axis_name,
     )
 
@@ -182,6 +199,69 @@ def dp_accumulate(
                 f"the sensitivity; got weight={extra_args['weight']!r}. Mark "
                 "padding rows with clipped_value_and_grad's `example_mask_fn`."
             )
-        return tx.update(grads, state, params, **extra_args)
+        return tx.update(_widened(grads), state, params, **extra_args)
 
-    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+    def init_fn(params: optax.Params) -> Any:
+        _refuse_accumulating_wrappers(sys._getframe(1))
+        return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_accumulating_wrappers(frame: Any) -> None:
+    """No accumulator around `dp_accumulate` (issue 39, finding 8).
+
+    ``optax.MultiSteps(dp_accumulate(...), 2)`` or ``accumulate(dp_accumulate(
+    ...), 2)`` average or sum noised windows: a mechanism the accounting does
+    not describe. The wrapper calls this ``init`` from its own, so it is
+    found among the callers: an ``optax.MultiSteps`` (optax's class, which
+    cannot be asked) or the core's engine (`accumulate`, `MultiSteps`).
+    """
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, optax.MultiSteps | Engine):
+            name = (
+                "optax.MultiSteps"
+                if isinstance(owner, optax.MultiSteps)
+                else "optax_accum.accumulate (or optax_accum.MultiSteps)"
+            )
+            raise ValueError(
+                f"`dp_accumulate` must not be wrapped in {name}: it closes "
+                "its own windows and noises each once, and an accumulator "
+                "around it would average or sum noised windows, which the "
+                "privacy accounting does not describe. Give the calls of a "
+                "logical batch to dp_accumulate's `every_k` instead (e.g. "
+                "dp_accumulate(inner, 2 * every_k, ...))."
+            )
+        frame = frame.f_back
+
+
+def _at_least_float32(policy: Any) -> Any:
+    """``accumulator_dtype`` with every narrow (or gradient-dtype) policy
+    widened: a sum rounded to bf16 or fp16 has a sensitivity above ``C``."""
+    canonical = _dtypes.canonical(policy)
+    if isinstance(canonical, _dtypes.PerLeaf):
+        return _dtypes.PerLeaf(
+            canonical.treedef, tuple(_wide(p) for p in canonical.policies)
+        ).prefix()
+    return _wide(canonical)
+
+
+def _wide(policy: Any) -> Any:
+    """A narrow or gradient-dtype policy as ``"promote"``: at least float32,
+    of each gradient's own kind (complex stays complex)."""
+    if policy is None or isinstance(policy, str) or _dtypes.is_narrow(policy):
+        return _dtypes.PROMOTE
+    return policy
+
+
+def _widened(grads: optax.Updates) -> optax.Updates:
+    """bf16 and fp16 gradients as float32 (exact), so that the window's sum
+    reaches the noise in float32, not cast back to the gradients' dtype."""
+
+    def widen(g):
+        if _dtypes.is_float0(g):
+            return g
+        return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+    return jax.tree.map(widen, grads)

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _checks
@@ -61,6 +64,28 @@ def binomial_tail_bound(n: int, p: float, cap: int) -> float:
     return min(1.0, math.exp(-(t * t) / (2.0 * (n * p * (1.0 - p) + t / 3.0))))
 
 
+def binomial_tail(n: int, p: float, cap: int) -> float:
+    """``P(Binomial(n, p) > cap)``, summed term by term (in logs) from
+    ``cap + 1`` until the terms stop counting."""
+    if cap >= n:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    total, k = 0.0, cap + 1
+    while k <= n:
+        log_term = (
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * log_p + (n - k) * log_q
+        )  # fmt: skip
+        term = math.exp(log_term)
+        total += term
+        if k > n * p and term < 1e-17 * total:
+            break
+        k += 1
+    return min(1.0, total)
+
+
 def _bernstein_cap(n: int, p: float, bound: float) -> int:
     """The smallest ``cap`` that `binomial_tail_bound` proves below ``bound``."""
     log_inv = math.log(1.0 / bound)
@@ -83,7 +108,7 @@ class PoissonBatch(NamedTuple):
         increasing order; `fused_rows` gives the flat order of a fused step
         (``num_microbatches=``). The padding rows hold ``-1`` (as in jax_privacy's
         `split_and_pad_global_batch`), which NumPy and JAX read as the last
-        example: only the mask keeps it out.
+        example: gather the rows with `take`, which reads no example for them.
       mask: ``bool[num_microbatches, microbatch_size]``, True for the real
         examples.
       size: the number of real examples (after truncation, if any).
@@ -103,6 +128,20 @@ class PoissonBatch(NamedTuple):
         first); the rest are all padding, and a loop may skip them."""
         return -(-self.size // self.indices.shape[1])
 
+    @property
+    def num_calls(self) -> int:
+        """The micro-batches a per-call loop feeds `dp_accumulate`, closing
+        the window (``close_window=True``) on the last: the real ones, and
+        one all-padding micro-batch when the batch is empty.
+
+        An empty batch must still close a window, so that it draws its noise:
+        a loop over the real micro-batches only makes no call, leaves the
+        parameters exactly unchanged (which reveals the empty batch) and
+        parts from the fused step (issue 39). The all-padding micro-batch's
+        clipped sum is exactly zero, and computing it costs nothing.
+        """
+        return max(1, self.num_real_microbatches)
+
     def fused_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """``(indices, mask)`` as one flat batch of rows, in the order the fused
         loop splits it.
@@ -114,6 +153,56 @@ class PoissonBatch(NamedTuple):
         micro-batches, which the loop skips, stay all padding.
         """
         return self.indices.T.reshape(-1), self.mask.T.reshape(-1)
+
+    def take(self, *arrays: Any, fused: bool = True) -> tuple:
+        """The batch's rows of each of ``arrays``, padding rows as zeros, and
+        the mask.
+
+        Indexing with `indices` reads example ``N - 1`` for every padding row
+        (``-1``), so an example that was not sampled would reach the sum
+        wherever the mask is not applied (issue 39). Here a padding row reads
+        no example: it is zeros, whatever the data set holds.
+
+        Pass the mask to `clipped_value_and_grad` (``example_mask_fn``) as
+        well: a zero row has a gradient of its own (a bias's, say), and only
+        the mask makes it contribute exactly zero, so that adding or removing
+        an example moves the sum by at most ``C``.
+
+        Args:
+          *arrays: NumPy or JAX arrays (or pytrees of them) of ``N`` rows
+            along their leading axis, e.g. the inputs and the labels.
+          fused: the rows in `fused_rows`' order, one flat batch (for
+            ``num_microbatches=``); False: shaped ``(num_microbatches,
+            microbatch_size, ...)``, micro-batch ``j`` at ``[j]``.
+
+        Returns:
+          ``(*rows, mask)``: one gathered array (or pytree) per argument and
+          the matching boolean mask, True for the real examples.
+
+        Examples:
+          >>> import numpy as np
+          >>> from optax_accum import privacy
+          >>> batch = privacy.PoissonBatch(
+          ...     0, np.array([[1, 3], [-1, -1]], np.int32),
+          ...     np.array([[True, True], [False, False]]), 2, False)
+          >>> x = np.arange(1.0, 5.0)  # 4 examples: 1, 2, 3, 4
+          >>> rows, mask = batch.take(x, fused=False)
+          >>> rows.tolist(), mask.tolist()  # no 4.0 (example -1) in the padding
+          ([[2.0, 4.0], [0.0, 0.0]], [[True, True], [False, False]])
+        """
+        if fused:
+            indices, mask = self.fused_rows()
+        else:
+            indices, mask = self.indices, self.mask
+        safe = np.where(mask, indices, 0)
+
+        def gather(a):
+            xp = np if isinstance(a, np.ndarray | np.generic) else jnp
+            rows = a[safe]
+            keep = mask.reshape(mask.shape + (1,) * (rows.ndim - mask.ndim))
+            return xp.where(keep, rows, xp.zeros_like(rows))
+
+        return (*(jax.tree.map(gather, a) for a in arrays), mask)
 
 
 class PoissonMicrobatches:
@@ -158,6 +247,7 @@ class PoissonMicrobatches:
         # The truncation threshold is the padded shape's capacity (above N it
         # is never reached on this data set, but may be on its neighbour's).
         self.max_batch_size = self.num_microbatches * m
+        self._warned = False  # truncation warns once per sampler
 
     @property
     def expected_batch_size(self) -> float:
@@ -193,6 +283,9 @@ class PoissonMicrobatches:
                 f"of {self.microbatch_size}; raise `max_microbatches`, or pass "
                 '`overflow="truncate"` and account for the truncation.'
             )
+        if truncated and not self._warned:
+            self._warned = True
+            self._warn_truncation(step, size)
         # Truncation keeps a uniform subset of the draw: the same distribution
         # as a uniform subset of size `cap` of the whole data set.
         size = min(size, cap)
@@ -201,6 +294,24 @@ class PoissonMicrobatches:
         flat[:size] = chosen
         indices = flat.astype(np.int32).reshape(self.num_microbatches, -1)
         return PoissonBatch(step, indices, indices >= 0, size, truncated)
+
+    def _warn_truncation(self, step: int, size: int) -> None:
+        """Truncation is another mechanism: say so, with what it costs."""
+        n, cap = self.num_examples, self.max_batch_size
+        p = binomial_tail(n, self.sampling_rate, cap)
+        warnings.warn(
+            f"Logical batch {step} drew {size} examples and was truncated to "
+            f"the cap of {cap} (`max_microbatches={self.num_microbatches}` "
+            f"micro-batches of {self.microbatch_size}); a batch is truncated "
+            f"with probability {p:.3g} ({100 * p:.3g}%) per step. Truncated "
+            "Poisson sampling spends more privacy than Poisson sampling: "
+            "account for it with epsilon(..., accountant='pld', "
+            f"truncated_batch_size={cap}, num_examples={n}), raise "
+            '`max_microbatches`, or pass overflow="raise". This warning is '
+            "given once per sampler.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __iter__(self) -> Iterator[PoissonBatch]:
         step = self.start
@@ -249,8 +360,10 @@ def poisson_microbatches(
     ``max_microbatches``. A draw above the cap is:
 
     - ``overflow="truncate"`` (default): cut to a uniform random subset of
-      ``cap`` examples, as jax_privacy's ``truncated_batch_size`` does. The
-      batches are then *truncated* Poisson sampling. ``epsilon(...,
+      ``cap`` examples, as jax_privacy's ``truncated_batch_size`` does, with
+      a ``UserWarning`` at the first truncated batch (once per sampler) that
+      gives the probability of a truncation per step. The batches are then
+      *truncated* Poisson sampling. ``epsilon(...,
       truncated_batch_size=sampler.max_batch_size, num_examples=N,
       accountant="pld")`` accounts for it exactly; or, with ``p =
       overflow_probability`` and ``T`` steps, the untruncated ``(ε, δ)`` holds

@@ -35,6 +35,7 @@ def clipped_value_and_grad(
     num_microbatches: int = 1,
     *,
     batch_argnums: int | Sequence[int] = 1,
+    shared_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
     example_mask_fn: Callable[..., jax.typing.ArrayLike] | None = None,
 ) -> Callable[..., Any]:
@@ -71,6 +72,10 @@ def clipped_value_and_grad(
     parameters are made to vary over the batch's axes before the
     differentiation, so no per-example gradient is summed over devices before
     its clip); pass ``axis_name`` to `dp_accumulate`, which reduces the sums.
+    A parameter split over another manual axis (tensor parallelism: ``w``
+    placed ``P("model")``, the forward summing over ``"model"``) is a shard
+    of each example's gradient: its squares are summed over that axis, so
+    every device clips by the whole gradient's norm, not its shard's.
 
     Args:
       loss: ``loss(params, *args) -> value`` (``(value, aux)`` with
@@ -83,6 +88,14 @@ def clipped_value_and_grad(
         argument 0 and cannot be one). The other arguments reach every
         example as they are; for per-example randomness (dropout), pass a
         key per row as a batch argument (``jax.random.split(key, rows)``).
+        One of them with a leading axis as long as the rows (the labels of
+        ``loss(params, x, y)`` with the default ``batch_argnums=1``) is
+        refused: every example would see all of its rows, and one changed
+        row would move every example's gradient (issue 39).
+      shared_argnums: the positional argument(s) that every example sees
+        whole although their leading axis is as long as the rows (a table
+        that happens to have as many rows as the batch). Declared, never
+        guessed: nothing in ``shared_argnums`` may be in ``batch_argnums``.
       has_aux: whether ``loss`` returns ``(value, aux)``. ``aux`` comes back
         per example, stacked along a leading axis in the rows' order, with
         zeros for padding rows. Nothing bounds its sensitivity.
@@ -99,10 +112,13 @@ def clipped_value_and_grad(
 
     Raises:
       ValueError: at construction, for ``l2_clip_norm`` <= 0 or not finite,
-        ``num_microbatches`` < 1, or ``batch_argnums`` naming argument 0; at
-        trace time, for batch arguments whose leading axes differ or are not
-        divisible by ``num_microbatches``, a ``batch_argnums`` index out of
-        range, or a mask that is not one boolean per row.
+        ``num_microbatches`` < 1, ``batch_argnums`` or ``shared_argnums``
+        naming argument 0, or an argument in both; at trace time, for batch
+        arguments whose leading axes differ or are not divisible by
+        ``num_microbatches``, a ``batch_argnums`` index out of range, an
+        argument outside ``batch_argnums`` and ``shared_argnums`` with a
+        leading axis as long as the rows, or a mask that is not one boolean
+        per row.
       TypeError: at construction, for a ``loss`` or ``example_mask_fn`` that
         is not callable, or a non-number ``l2_clip_norm`` or
         ``num_microbatches``; at trace time, for a loss that is not a real
@@ -131,14 +147,21 @@ def clipped_value_and_grad(
             "`batch_argnums` must not include 0: argument 0 is the parameters, "
             f"which are differentiated, got batch_argnums={batch_argnums!r}."
         )
+    shared = _checks.argnums(shared_argnums, "shared_argnums")
+    if 0 in shared or set(shared) & set(idx):
+        raise ValueError(
+            "`shared_argnums` must not include 0 (the parameters) nor an "
+            f"argument of `batch_argnums`={batch_argnums!r}, got "
+            f"shared_argnums={shared_argnums!r}."
+        )
     _checks.callable_or_none(example_mask_fn, "example_mask_fn")
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    run = functools.partial(_clipped, loss, c, k, idx, has_aux, example_mask_fn)
+    run = functools.partial(_clipped, loss, c, k, idx, shared, has_aux, example_mask_fn)
     return functools.wraps(loss)(run) if hasattr(loss, "__name__") else run
 
 
-def _clipped(loss, c, k, idx, has_aux, mask_fn, params, *args):
+def _clipped(loss, c, k, idx, shared, has_aux, mask_fn, params, *args):
     with jax.named_scope("optax_accum/clipped_value_and_grad"):
         full = (params, *args)
         for j in idx:
@@ -150,6 +173,7 @@ def _clipped(loss, c, k, idx, has_aux, mask_fn, params, *args):
         _check_params(params)
         batch = [full[j] for j in idx]
         rows = _rows(batch, k)
+        _check_unsplit(full, idx, shared, rows)
         split = jax.tree.map(functools.partial(_split, k=k), batch)
         rest = [x for j, x in enumerate(full) if j != 0 and j not in idx]
         # Inside shard_map: each device differentiates its own examples. With
@@ -157,7 +181,7 @@ def _clipped(loss, c, k, idx, has_aux, mask_fn, params, *args):
         # gradient over the devices (mixing examples) before the clip.
         axes = _varying_axes(batch)
         params = _sharding.to_varying(params, axes)
-        step = functools.partial(_microbatch, loss, c, idx, has_aux, mask_fn)
+        step = functools.partial(_microbatch, loss, c, idx, axes, has_aux, mask_fn)
         acc = jax.tree.map(_buffer, params)
         vtype = jnp.promote_types(_dtypes.weight_dtype(params), jnp.float32)
         carry = (acc, jnp.zeros([], vtype), jnp.zeros([], jnp.int32))
@@ -179,26 +203,30 @@ def _clipped(loss, c, k, idx, has_aux, mask_fn, params, *args):
         return (value, aux), grads
 
 
-def _microbatch(loss, c, idx, has_aux, mask_fn, params, rest, mb):
+def _microbatch(loss, c, idx, axes, has_aux, mask_fn, params, rest, mb):
     """One micro-batch: its clipped sum, loss sum, real rows and aux; all
     zeros, computing nothing, when every row is padding."""
     m = jax.tree.leaves(mb)[0].shape[0]
     mask = _mask(mask_fn, mb, m)
     shapes = jax.eval_shape(
-        functools.partial(_compute, loss, c, idx, has_aux), params, rest, mb, mask
+        functools.partial(_compute, loss, c, idx, axes, has_aux),
+        params,
+        rest,
+        mb,
+        mask,
     )
 
     def skip(params, rest, mb, mask):
         del params, rest, mb, mask
         return jax.tree.map(_zeros, shapes)
 
-    compute = functools.partial(_compute, loss, c, idx, has_aux)
+    compute = functools.partial(_compute, loss, c, idx, axes, has_aux)
     out = lax.cond(jnp.any(mask), compute, skip, params, rest, mb, mask)
     grads, loss_sum, aux = out
     return grads, loss_sum, jnp.sum(mask, dtype=jnp.int32), aux
 
 
-def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
+def _compute(loss, c, idx, axes, has_aux, params, rest, mb, mask):
     def one(params, rows):
         by_index = dict(zip(idx, rows, strict=True))
         others = iter(rest)
@@ -216,7 +244,11 @@ def _compute(loss, c, idx, has_aux, params, rest, mb, mask):
     (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(
         _gathered(params, rows), rows
     )
-    clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c))(grads)
+    # The norm is the whole example's: a leaf split over a model axis sums its
+    # shards' squares over it (`clip`'s ``data_axes``: the examples' axes).
+    clipped, _ = jax.vmap(functools.partial(clip, l2_clip_norm=c, data_axes=axes))(
+        grads
+    )
 
     def masked(x):  # a select, not a product: 0 * NaN is NaN
         keep = _rows_like(mask, x).reshape(mask.shape + (1,) * (x.ndim - 1))
@@ -307,6 +339,28 @@ def _check_params(params):
                 "(argument 0), whose leaves must be floating (or complex), as "
                 "jax.grad requires. Move integer leaves to another argument."
             )
+
+
+def _check_unsplit(full, idx, shared, rows):
+    """No argument outside ``batch_argnums`` is batch-sized unless declared
+    shared: every example would see all of its rows (issue 39, finding 6)."""
+    for j, x in enumerate(full):
+        if j == 0 or j in idx or j in shared:
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+            shape = jnp.shape(leaf)
+            if shape and shape[0] == rows:
+                where = f"argument {j}{jax.tree_util.keystr(path)}"
+                raise ValueError(
+                    f"{where} of `loss` has a leading axis of {rows}, as many "
+                    f"as the batch's rows, but is not in `batch_argnums`="
+                    f"{idx}: every example would see all of its rows (e.g. "
+                    "every label), so one changed row would move the clipped "
+                    "sum by more than `l2_clip_norm`. Pass "
+                    f"`batch_argnums={tuple(sorted((*idx, j)))}` to give each "
+                    f"example its own row, or `shared_argnums=({j},)` if every "
+                    "example should see it whole."
+                )
 
 
 def _rows(batch, k):

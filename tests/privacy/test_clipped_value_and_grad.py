@@ -247,3 +247,31 @@ def test_a_key_per_row_as_a_batch_argument():
         [np.asarray(jax.random.bernoulli(keys[i], 0.5, (1, 3)))[0] for i in range(8)]
     )
     _close(grads, clipped_sum(params, np.where(kept, x, 0), y, C)[1])
+
+
+def test_a_batch_sized_argument_outside_batch_argnums_is_refused():
+    # Issue 39, finding 6: loss(params, x, y) with the default batch_argnums=1
+    # left y whole, so every example saw every label: one changed label moved
+    # the clipped sum by 12.45.
+    params, x, y = data(rows=8)
+    with pytest.raises(
+        ValueError, match=r"argument 2 of `loss` .* `batch_argnums=\(1, 2\)`"
+    ):
+        privacy.clipped_value_and_grad(loss, C)(params, x, y)
+    with pytest.raises(ValueError, match=r"argument 1\['y'\] of `loss`"):
+        privacy.clipped_value_and_grad(
+            lambda p, d, x: loss(p, x, d["y"]), C, batch_argnums=2
+        )(params, {"y": y}, x)  # fmt: skip
+    # the fix the message gives
+    _close(
+        privacy.clipped_value_and_grad(loss, C, batch_argnums=(1, 2))(params, x, y)[1],
+        clipped_sum(params, x, y, C)[1],
+    )
+    # a table that every example should see whole, declared so
+    table = jnp.full(8, 1 / 8, jnp.float32)  # sums to 1
+    vg = privacy.clipped_value_and_grad(
+        lambda p, x, t: jnp.sum(t) * loss(p, x, jnp.zeros(1)), C, shared_argnums=2
+    )
+    _close(vg(params, x, table)[1], clipped_sum(params, x, np.zeros(8), C)[1])
+    with pytest.raises(ValueError, match="`shared_argnums` must not include"):
+        privacy.clipped_value_and_grad(loss, C, batch_argnums=(1, 2), shared_argnums=2)

@@ -21,6 +21,7 @@ import optax_accum
 from optax_accum import privacy
 
 from .reference import data, loss
+from .reference import per_example as reference_per_example
 
 N, C, B, SIGMA, K = 8, 1.0, 64.0, 2.0, 2
 
@@ -91,6 +92,9 @@ def test_shard_map_axis_name_equals_one_device_and_params_stay_identical():
     # the noise is the one device's, not N draws: its scale is sigma C / B
     noiseless = _one_device(params, xs, ys, sigma=0.0)
     assert not np.allclose(np.asarray(p["w"]), np.asarray(noiseless["w"]))
+    # after the boundary no device keeps its clipped sum (issue 39, finding 4)
+    for a in jax.tree.leaves(state.accumulator):
+        np.testing.assert_array_equal(np.asarray(a), 0.0)
 
 
 def test_global_view_data_parallel_equals_one_device():
@@ -262,3 +266,47 @@ def test_fsdp_over_the_batch_axis_equals_one_device(axis_type):
     if axis_type == "Explicit":
         assert p["w"].sharding.spec == P("d")
     _close(p, _one_device(params, xs, ys))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("data_devices", [1, 2])
+def test_tensor_parallel_clip_takes_the_whole_gradients_norm(data_devices, bias):
+    # Issue 39, finding 3: inside shard_map, with w split over a model axis,
+    # each device clipped its shard by the shard's own norm. The norm is over
+    # the whole per-example gradient: the shards' squares summed over "model".
+    model, dim, rows = 4, 8, 8
+    params, x, y = data(rows=rows, dim=dim, scale=2.0)
+    if not bias:
+        params = {**params, "b": np.float32(0.0)}
+    mesh = jax.make_mesh((data_devices, model), ("data", "model"))
+    shard = dim // model
+
+    def loss_tp(p, x, y):  # w's shard; the forward sums the shards' products
+        i = jax.lax.axis_index("model")
+        cols = jax.lax.dynamic_slice_in_dim(x, i * shard, shard, axis=1)
+        r = jax.lax.psum(cols @ p["w"], "model") - y
+        r = r + p["b"] if bias else r
+        return 0.5 * jnp.mean(r**2)
+
+    vg = privacy.clipped_value_and_grad(loss_tp, C, 2, batch_argnums=(1, 2))
+    specs = {"w": P("model"), "b": P()} if bias else {"w": P("model")}
+    if not bias:
+        params = {"w": params["w"]}
+    f = jax.jit(
+        jax.shard_map(
+            lambda p, x, y: jax.lax.psum(vg(p, x, y)[1], "data"), mesh=mesh,
+            in_specs=(specs, P("data"), P("data")), out_specs=specs,
+        )
+    )  # fmt: skip
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    placed = {n: put(params[n], specs[n]) for n in params}
+    grads = f(placed, put(x, P("data")), put(y, P("data")))
+    gw, gb, _ = reference_per_example({"b": 0.0, **params}, x, y)
+    norms = np.hypot(np.linalg.norm(gw, axis=1), gb if bias else 0.0)
+    assert (norms > C).sum() >= rows // 2  # the clip is active
+    scale = np.minimum(1.0, C / norms)
+    ref = {"w": np.sum(gw * scale[:, None], axis=0)}
+    if bias:
+        ref["b"] = np.sum(gb * scale)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)

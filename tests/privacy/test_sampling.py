@@ -10,6 +10,7 @@ the cap, and jax_privacy's batch selection for `pad_microbatches`.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,9 @@ def test_overflow_truncates_to_a_uniform_subset_of_the_cap():
     sampler = privacy.poisson_microbatches(100, 0.5, 4, seed=0, max_microbatches=10)
     assert sampler.max_batch_size == 40 and sampler.overflow_probability > 0.5
     counts, truncated, steps = np.zeros(100), 0, 1000
-    for batch in _draws(sampler, steps):
+    with pytest.warns(UserWarning, match="truncated to the cap of 40"):
+        batches = _draws(sampler, steps)
+    for batch in batches:
         assert batch.size <= 40 and batch.mask.all() == (batch.size == 40)
         truncated += batch.truncated
         counts[batch.indices[batch.mask]] += 1
@@ -279,3 +282,63 @@ def test_fused_rows_give_the_fused_loop_the_batch_micro_batches():
         want = x[batch.indices[batch.mask]].sum(0)
         np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-5)
     assert len(traces) == 1
+
+
+def test_padding_rows_read_no_example():
+    # Issue 39, finding 5: indexing with the -1 padding read example N - 1
+    # into every padding row; changing it, unsampled, moved the clipped sum
+    # by 23.0 (bound 1). `take` reads no example for them.
+    from .reference import clipped_sum, data, loss
+
+    n, c = 40, 1.0
+    params, x, y = data(rows=n, scale=3.0)
+    sampler = privacy.poisson_microbatches(n, 0.1, 4, seed=0)
+    batch = next(
+        b
+        for b in sampler
+        if b.size and not b.mask.all() and n - 1 not in b.indices[b.mask]
+    )
+    k = sampler.num_microbatches
+    plain = privacy.clipped_value_and_grad(loss, c, k, batch_argnums=(1, 2))
+    masked = privacy.clipped_value_and_grad(
+        lambda p, x, y, m: loss(p, x, y), c, k, batch_argnums=(1, 2, 3),
+        example_mask_fn=lambda x, y, m: m,
+    )  # fmt: skip
+    x2, y2 = x.copy(), y.copy()
+    x2[n - 1], y2[n - 1] = 100.0, -100.0  # not sampled in this batch
+    sums = []
+    for xs, ys in [(x, y), (x2, y2)]:
+        xb, yb, mask = batch.take(xs, ys)
+        sums.append((plain(params, xb, yb)[1], masked(params, xb, yb, mask)[1]))
+    for a, b in zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # with the mask, exactly the sampled examples' clipped sum
+    real = batch.indices[batch.mask]
+    _, ref = clipped_sum(params, x[real], y[real], c)
+    for a, r in zip(jax.tree.leaves(sums[0][1]), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+    # JAX arrays and the per-micro-batch layout
+    xj, mask = batch.take(jnp.asarray(x), fused=False)
+    assert isinstance(xj, jax.Array) and xj.shape == (k, 4, 3)
+    np.testing.assert_array_equal(np.asarray(xj)[~mask], 0.0)
+    np.testing.assert_array_equal(np.asarray(xj)[mask], x[real])
+
+
+def test_truncation_by_a_user_cap_warns_once_with_its_probability():
+    # Issue 39, finding 9: N = 500, q = 0.05, cap 40 truncated a batch in
+    # about 650 silently (the `truncated` flag only).
+    sampler = privacy.poisson_microbatches(500, 0.05, 8, seed=0, max_microbatches=5)
+    assert sampler.max_batch_size == 40
+    p = stats.binom.sf(40, 500, 0.05)  # 0.155% per step
+    with pytest.warns(UserWarning, match=r"probability 0\.00155 \(0\.155%\) per step"):
+        first = next(b for b in sampler if b.truncated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per sampler
+        later = [b.step for b in itertools.islice(sampler, 20_000) if b.truncated]
+    assert len(later) > 1 and first.step in later
+    assert _sampling.binomial_tail(500, 0.05, 40) == pytest.approx(p, rel=1e-9)
+    # no truncation, no warning: the default cap, or overflow="raise"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = privacy.poisson_microbatches(500, 0.05, 8, seed=0)
+        assert not any(b.truncated for b in itertools.islice(default, 2000))
