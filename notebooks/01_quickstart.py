@@ -172,7 +172,8 @@ for update in range(NUM_UPDATES):
                 f"updated={bool(optax_accum.has_updated(state))}"
             )
     windows.append((before, params))
-print(f"optimizer updates: {int(optax_accum.update_count(state))}, final micro-batch loss {loss:.4f}")
+updates = int(optax_accum.update_count(state))
+print(f"optimizer updates: {updates}, final micro-batch loss {loss:.4f}")
 
 # %% [markdown]
 # ## Each update equals one large-batch step

@@ -4,14 +4,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable
 from typing import Any, Literal
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack as Unpack
-else:  # pragma: no cover - PEP 692's Unpack for **kwargs, before 3.11
-    from typing_extensions import Unpack as Unpack
+from typing import Unpack as Unpack
 
 #: A mapped axis (``pmap``/``shard_map``) or mesh axis name, or a tuple of them.
 AxisName = Hashable | tuple[Hashable, ...]

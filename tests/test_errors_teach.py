@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,7 +16,6 @@ def _loss(p, x, y):
     return jnp.mean((x @ p - y) ** 2)
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="add_note is 3.11+")
 @pytest.mark.parametrize("face", ["microbatch", "microbatch_value_and_grad"])
 def test_a_batch_in_two_arguments_gets_a_note_naming_batch_argnums(face):
     # `loss(params, x, y)` with the default batch_argnums=1 split only x:

@@ -91,9 +91,7 @@ def device_info() -> dict[str, Any]:
             jax.config, "jax_default_matmul_precision", None
         ),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"
-        ),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

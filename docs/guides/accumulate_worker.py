@@ -71,7 +71,8 @@ for m in range(2 * K):  # two updates
 # The same two updates on the full batch, in NumPy.
 ref = np.zeros(D, np.float32)
 for u in range(2):
-    xb, yb = (np.concatenate(z) for z in zip(*[data(u * K + i) for i in range(K)]))
+    window = [data(u * K + i) for i in range(K)]
+    xb, yb = (np.concatenate(z) for z in zip(*window, strict=True))
     ref -= 0.1 * 2 * xb.T @ (xb @ ref - yb) / len(xb)
 mine = np.asarray(w.addressable_data(0))
 np.testing.assert_allclose(mine, ref, rtol=1e-5)

@@ -84,8 +84,6 @@ def note_unsplit(error: BaseException, args: list, opts: Options) -> None:
     """Adds a note to ``fun``'s error where an argument that is not split has
     the batch's leading size: most often a batch passed as two arguments,
     ``loss(params, x, y)``, with the default ``batch_argnums=1``."""
-    if not hasattr(error, "add_note"):  # Python 3.10
-        return
     try:
         size = batch_size(args, opts)
     except Exception:
@@ -96,7 +94,7 @@ def note_unsplit(error: BaseException, args: list, opts: Options) -> None:
         for i, a in enumerate(args)
         if i not in split
         for path, x in jax.tree_util.tree_leaves_with_path(a)
-        if jnp.ndim(x) > 0 and jnp.shape(x)[0] == size
+        if getattr(x, "ndim", 0) > 0 and x.shape[0] == size
     ]
     if suspects:
         i, leaf = suspects[0]
