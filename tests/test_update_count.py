@@ -169,3 +169,38 @@ def test_several_accumulation_states_are_refused():
     )
     with pytest.raises(ValueError, match="found 2: AccumulateState, MultiStepsState"):
         optax_accum.update_count(tx.init(PARAMS))
+
+
+def test_the_split_nnx_state_that_orbax_saves():
+    """``nnx.state(optimizer)`` (what Orbax saves, what split/merge loops pass)
+    holds the accumulation state as a mapping of its fields, beside ``step``:
+    the count is still the updates, not ``step``'s calls."""
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    grads = nnx.state(model, nnx.Param)
+    for tx in (
+        optax_accum.accumulate(optax.sgd(0.1), K),
+        optax_accum.MultiSteps(optax.adam(0.1), K).gradient_transformation(),
+    ):
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        for _ in range(CALLS):
+            optimizer.update(model, grads)
+        state = nnx.state(optimizer)
+        assert int(optax_accum.update_count(state)) == CALLS // K
+        assert int(optax_accum.update_count(state["opt_state"])) == CALLS // K
+        assert int(jax.jit(optax_accum.update_count)(state)) == CALLS // K
+
+
+def test_nested_accumulation_is_refused():
+    for tx in (
+        optax_accum.accumulate(optax_accum.accumulate(optax.sgd(1.0), 2), 2),
+        optax.MultiSteps(optax_accum.accumulate(optax.sgd(1.0), 2), 2),
+    ):
+        with pytest.raises(ValueError, match=r"found 2: .*\(one inside another\)"):
+            optax_accum.update_count(tx.init(PARAMS))
+
+
+def test_an_abstract_restore_target_gives_an_abstract_count():
+    tx = optax_accum.accumulate(optax.adam(0.1), K)
+    target = jax.eval_shape(tx.init, PARAMS)
+    assert optax_accum.update_count(target) == jax.ShapeDtypeStruct((), jnp.int32)

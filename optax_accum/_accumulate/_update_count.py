@@ -14,6 +14,7 @@ answer; this reader picks the right counter.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -70,11 +71,8 @@ def update_count(state: Any) -> jax.Array:
     holder = _opt_state_holder(state)
     tree = state.opt_state if holder else state
     found = _states_in(tree)
-    if len(found) == 1:
-        node = found[0]
-        if isinstance(node, AccumulateState):
-            return _int32(node.update_step)
-        return _int32(node.gradient_step)
+    if len(found) == 1 and not _states_in(_inner(found[0])):
+        return _int32(_counter(found[0]))
     if not found and holder:
         return _int32(state.step)
     raise ValueError(_message(state, found))
@@ -89,26 +87,64 @@ def _opt_state_holder(state: Any) -> bool:
     )
 
 
+# An accumulation state as ``nnx.state(optimizer)`` (what Orbax saves for nnx)
+# holds it: a mapping of its fields, by their names. Fields that are ``()``
+# are not there, so only the two counters identify it.
+_FIELDS = {
+    ("micro_step", "update_step"): "update_step",
+    ("mini_step", "gradient_step"): "gradient_step",
+}
+
+
+def _is_state(x: Any) -> bool:
+    if isinstance(x, _STATES):
+        return True
+    return isinstance(x, Mapping) and any(all(k in x for k in f) for f in _FIELDS)
+
+
 def _states_in(tree: Any) -> list[Any]:
-    is_node = lambda x: isinstance(x, _STATES)
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]
+    return [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
 
 
-def _int32(x: Any) -> jax.Array:
+def _counter(node: Any) -> Any:
+    if isinstance(node, AccumulateState):
+        return node.update_step
+    if isinstance(node, _STATES):
+        return node.gradient_step
+    return next(node[c] for f, c in _FIELDS.items() if all(k in node for k in f))
+
+
+def _inner(node: Any) -> Any:
+    """The wrapped optimizer's state, where a nested accumulation would be."""
+    for name in ("inner_state", "inner_opt_state"):
+        if isinstance(node, Mapping):
+            if name in node:
+                return node[name]
+        elif hasattr(node, name):
+            return getattr(node, name)
+    return ()
+
+
+def _int32(x: Any) -> Any:
     # flax nnx wraps optimizer-state arrays (and ``Optimizer.step``) in
     # Variables.
     value = x.get_value() if hasattr(x, "get_value") else x
+    if isinstance(value, jax.ShapeDtypeStruct):  # an abstract (restore) target
+        return jax.ShapeDtypeStruct((), jnp.int32)
     return jnp.asarray(value).astype(jnp.int32)
 
 
 def _message(state: Any, found: list[Any]) -> str:
     wanted = "AccumulateState, MultiStepsState or optax.MultiStepsState"
     if found:
-        names = ", ".join(type(x).__name__ for x in found)
+        nested = [y for x in found for y in _states_in(_inner(x))]
+        names = ", ".join(type(x).__name__ for x in found + nested)
         return (
             f"`state` must hold one accumulation state ({wanted}); found "
-            f"{len(found)}: {names}. Nested accumulation has no single update "
-            "count: pass the state of the wrapper you mean."
+            f"{len(found) + len(nested)}: {names}"
+            + (" (one inside another)" if nested else "")
+            + ". Nested accumulation has no single update count: pass the "
+            "state of the wrapper you mean."
         )
     nodes = _node_names(state)
     return (

@@ -25,7 +25,12 @@ def _real(value: Any, name: str) -> float:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"`{name}` must be a Python or NumPy number known when the "
-            f"transformation is built, not a traced value: got {value!r}."
+            f"transformation is built, not a traced value: got {value!r}. "
+            "The mechanism's parameters are fixed for a run (the accountant "
+            "assumes them), so `optax.inject_hyperparams(privacy.dp_accumulate)` "
+            "cannot run under `jit`; inject the inner optimizer's instead, e.g. "
+            "`optax.inject_hyperparams(lambda learning_rate: "
+            "privacy.dp_accumulate(optax.sgd(learning_rate), ...))`."
         )
     _checks.real_scalar(value, name, bool_ok=False)
     return float(np.asarray(value))

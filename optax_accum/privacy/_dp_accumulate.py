@@ -132,7 +132,8 @@ def dp_accumulate(
 
     At ``init``, a ValueError if an accumulating wrapper
     (``optax.MultiSteps``, `accumulate`, `MultiSteps`) holds this
-    transformation: it would average or sum noised windows.
+    transformation: it would average or sum noised windows; or if ``inner``
+    reads ``value`` (the loss, which would reach it without noise).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -203,7 +204,16 @@ def dp_accumulate(
 
     def init_fn(params: optax.Params) -> Any:
         _refuse_accumulating_wrappers(sys._getframe(1))
-        return tx.init(params)
+        state = tx.init(params)
+        if jax.tree.leaves(state.value_accumulator):
+            raise ValueError(
+                "`inner` reads `value` (the loss: `reduce_on_plateau`, a line "
+                "search): `dp_accumulate` would hand it the window's loss "
+                "without noise, and the updates would then depend on the "
+                "un-noised training data. Use an inner optimizer that reads "
+                "gradients only."
+            )
+        return state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

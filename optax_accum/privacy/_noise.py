@@ -46,7 +46,11 @@ def add_noise(
 
     def init_fn(params: optax.Params) -> DPNoiseState:
         del params
-        return DPNoiseState(jnp.asarray(key_data), jnp.zeros([], jnp.int32))
+        # A copy: a step that donates the state must not delete the buffer of
+        # the key the caller passed (or this closure's, which a later init
+        # reads).
+        key = jnp.array(key_data, copy=True)
+        return DPNoiseState(key, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params

@@ -458,3 +458,46 @@ def test_an_empty_poisson_batch_draws_its_noise_per_call_as_fused():
     for a, z in zip(jax.tree.leaves(u), jax.tree.leaves(draw), strict=True):
         np.testing.assert_allclose(-np.asarray(a), SIGMA * C / B * np.asarray(z),
                                    rtol=1e-5, atol=1e-7)  # fmt: skip
+
+
+def test_an_inner_that_reads_value_is_refused_at_init():
+    """The loss would reach the inner optimizer without noise (review of
+    issue 39): the released parameters would depend on the un-noised loss."""
+    inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau())
+    with pytest.raises(ValueError, match=r"`inner` reads `value`.*without noise"):
+        _tx(inner, k=2).init({"w": jnp.zeros(2)})
+    _tx(optax.adam(1.0), k=2).init({"w": jnp.zeros(2)})  # gradients only: fine
+
+
+def test_donating_the_state_keeps_the_callers_key():
+    """The state's key is a copy: a step that donates the state deletes
+    neither the caller's key nor the one a later ``init`` reads."""
+    key = jax.random.key(3)
+    tx = _tx(k=2, key=key)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    step = jax.jit(tx.update, donate_argnums=1)
+    for _ in range(2):
+        _, state = step({"w": jnp.ones(2)}, state, params)
+    jax.random.normal(key)  # raised "Array has been deleted" before
+    again = jax.jit(tx.init)(params)
+    np.testing.assert_array_equal(
+        jax.tree.leaves(again)[-2:], jax.tree.leaves(tx.init(params))[-2:]
+    )
+
+
+def test_injected_mechanism_parameters_under_jit_name_the_fix():
+    tx = optax.inject_hyperparams(privacy.dp_accumulate)(
+        inner=optax.sgd(1.0), every_k=1, l2_clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=4.0, key=jax.random.key(0),
+    )  # fmt: skip
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"inject the inner optimizer's instead"):
+        jax.jit(tx.update)({"w": jnp.ones(2)}, state, params)
+    inner_only = optax.inject_hyperparams(
+        lambda learning_rate: _tx(optax.sgd(learning_rate), k=1)
+    )(learning_rate=1.0)
+    state = inner_only.init(params)
+    _, state = jax.jit(inner_only.update)({"w": jnp.ones(2)}, state, params)
+    assert "key" not in state.hyperparams
