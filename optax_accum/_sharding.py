@@ -202,6 +202,35 @@ def splittable(x: jax.Array, k: int) -> jax.Array:
     return jax.sharding.reshard(x, P(keep or None, *spec.partitions[1:]))
 
 
+def rows_alike(tree: Any) -> Any:
+    """``tree``'s leaves with axis 0 sharded alike, as the first leaf whose
+    rows an Explicit mesh shards (its other axes as they were): ``vmap`` over
+    the rows of several arrays demands one spec for the mapped axis, and a
+    mask built in the step (replicated) sits beside rows sharded over
+    ``data``. A no-op where no leaf's rows are sharded."""
+    leaves = jax.tree.leaves(tree)
+    specs = [explicit_spec(x) for x in leaves]
+    rows = next(
+        (s.partitions[0] for s in specs if s is not None and s.partitions
+         and s.partitions[0] is not None),
+        None,
+    )  # fmt: skip
+    if rows is None:
+        return tree
+
+    def place(x):
+        spec = explicit_spec(x)
+        if spec is None or not x.ndim:
+            return x
+        rest = tuple(spec.partitions[1:]) + (None,) * (
+            x.ndim - 1 - len(spec.partitions[1:])
+        )
+        want = P(rows, *rest)
+        return x if same_spec(spec, want, x.ndim) else jax.sharding.reshard(x, want)
+
+    return jax.tree.map(place, tree)
+
+
 def row_axes(tree: Any) -> set[str]:
     """The Explicit mesh axes that shard axis 0 of some leaf of ``tree``."""
     found = set()

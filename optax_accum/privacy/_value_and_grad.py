@@ -239,7 +239,7 @@ def _compute(loss, c, idx, axes, has_aux, params, rest, mb, mask):
         ]
         return _value_and_aux(loss(params, *args), has_aux)
 
-    rows = [mb[i] for i in range(len(idx))]
+    rows = _sharding.rows_alike([mb[i] for i in range(len(idx))])
     vg = jax.value_and_grad(one, has_aux=True)
     (values, aux), grads = jax.vmap(vg, in_axes=(None, 0))(
         _gathered(params, rows), rows

@@ -275,3 +275,31 @@ def test_a_batch_sized_argument_outside_batch_argnums_is_refused():
     _close(vg(params, x, table)[1], clipped_sum(params, x, np.zeros(8), C)[1])
     with pytest.raises(ValueError, match="`shared_argnums` must not include"):
         privacy.clipped_value_and_grad(loss, C, batch_argnums=(1, 2), shared_argnums=2)
+
+
+def test_batch_arguments_sharded_differently_over_the_rows():
+    """Rows sharded over ``data`` beside a mask built in the step (replicated):
+    the per-example ``vmap`` needs one spec for the rows, so the wing lays
+    them alike (the audit's sharded case failed with "Mapped away dimension
+    ... should be sharded the same")."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    w = jnp.linspace(-1.0, 1.0, 4)
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+
+    def masked_loss(w, x, m):
+        del m
+        return jnp.sum(jnp.tanh(x @ w))
+
+    vg = privacy.clipped_value_and_grad(
+        masked_loss, 0.5, 2, batch_argnums=(1, 2), example_mask_fn=lambda x, m: m
+    )
+    mask = jnp.arange(16) < 13
+    want = vg(w, x, mask)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        got = jax.jit(lambda w, x: vg(w, x, jnp.arange(16) < 13))(w, xs)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
