@@ -299,8 +299,12 @@ class Engine:
                 return (*out, jax.tree.map(_zeros_like, acc) if self.clear_sums else ())
 
         def hold(acc, value, weight, micro, inner_state, params, dynamic, stats):
+            emitted = jax.eval_shape(
+                boundary, acc, value, weight, micro, inner_state, params, dynamic,
+                stats,
+            )[0]  # fmt: skip
             del value, weight, micro, params, dynamic
-            zeros = _hold_updates(shapes, window.update_step)
+            zeros = _varying_like(_hold_updates(shapes, window.update_step), emitted)
             stats = ns.zero_stats() if stats else ()
             return zeros, inner_state, False, stats, acc if self.clear_sums else ()
 
@@ -342,8 +346,15 @@ class Engine:
             return updates, new_inner, True
 
         def skip_inner(g, value, inner_state, params, dynamic):
-            del g, value, params, dynamic
-            return _hold_updates(shapes, micro), inner_state, False
+            # The zeros vary over the manual axes the inner's updates vary
+            # over (a tensor-parallel leaf over the model axis, once the
+            # data axes are reduced): the branches' types must agree.
+            emitted = jax.eval_shape(step_inner, g, value, inner_state, params, dynamic)
+            return (
+                _varying_like(_hold_updates(shapes, micro), emitted[0]),
+                inner_state,
+                False,
+            )
 
         if not self.devices.mapped:  # the predicate already checked the weight
             return (*step_inner(g, value, inner_state, params, dynamic), noise_stats)
@@ -430,6 +441,20 @@ def _hold_updates(shapes: Any, counter: jax.Array) -> Any:
             for s, f in zip(leaves, float0, strict=True)
         ],
     )
+
+
+def _varying_like(zeros: Any, emitted: Any) -> Any:
+    """The hold branch's zeros varying over the manual axes the boundary's
+    updates vary over (``emitted``, from ``eval_shape``): inside ``shard_map``
+    a tensor-parallel leaf's update varies over the model axis once the data
+    axes are reduced, and a ``cond``'s branches must agree on it."""
+
+    def match(z: Any, like: Any) -> Any:
+        if _dtypes.is_float0(z):
+            return z
+        return _sharding.match_varying(z, like)
+
+    return jax.tree.map(match, zeros, emitted)
 
 
 def _like(tree: Any, like: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from .. import _dtypes, _sharding
 
@@ -59,13 +60,32 @@ def add_noise(
         )
         leaves, treedef = jax.tree.flatten(updates)
         noised = [
-            _noised(g, jax.random.fold_in(key, i), stddev, expected_batch_size)
+            _noised(g, _shard_key(jax.random.fold_in(key, i), g), stddev,
+                    expected_batch_size)
             for i, g in enumerate(leaves)
-        ]
+        ]  # fmt: skip
         new_state = DPNoiseState(state.key, state.windows + 1)
         return jax.tree.unflatten(treedef, noised), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _shard_key(key: jax.Array, g: Any) -> jax.Array:
+    """The key of this device's part of leaf ``g``.
+
+    Inside ``shard_map`` a leaf that varies over a manual axis (a tensor-
+    parallel weight split over ``"model"``) holds other coordinates on each
+    device of it: each folds in its index there and draws its own noise (one
+    key for all would repeat the noise across the shards, and the difference
+    of two shards' updates would carry no noise). Over the data axes the
+    window's sum is reduced, so it varies over none of them: those devices
+    draw the same noise, as they must to stay in step.
+    """
+    if not isinstance(g, jax.Array) and not hasattr(g, "aval"):
+        return key
+    for axis in sorted(jax.typeof(g).mat.varying):
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    return key
 
 
 def _noised(g: Any, key: jax.Array, stddev: float, b: float) -> Any:

@@ -310,3 +310,36 @@ def test_tensor_parallel_clip_takes_the_whole_gradients_norm(data_devices, bias)
         ref["b"] = np.sum(gb * scale)
     for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_noise_is_drawn_per_model_shard_and_shared_over_data():
+    """Inside ``shard_map`` with ``w`` split over ``model``, each model shard
+    draws its own noise (one key for all repeated the noise in every shard, so
+    the difference of two shards' updates carried none), and the data
+    replicas draw the same (the window's sum is reduced over ``data``)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    dim = 4 * 2048
+    tx = privacy.dp_accumulate(
+        optax.sgd(-1.0), K, l2_clip_norm=C, noise_multiplier=SIGMA,
+        expected_batch_size=B, key=jax.random.key(11), axis_name="data",
+    )  # fmt: skip
+
+    def step(w):
+        s = tx.init({"w": w})
+        for _ in range(K):  # one window
+            u, s = tx.update({"w": jnp.zeros_like(w)}, s, {"w": w})
+        return u["w"][None]
+
+    run = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=P("model"), out_specs=P("data", "model"),
+    ))  # fmt: skip
+    u = np.asarray(run(jax.device_put(jnp.zeros(dim), NamedSharding(mesh, P("model")))))
+    np.testing.assert_array_equal(u[0], u[1])  # the data replicas agree
+    shards = u[0].reshape(4, -1)
+    for i in range(1, 4):
+        assert not np.allclose(shards[0], shards[i])
+        # independent shards: their difference has twice the variance
+        assert np.std(shards[0] - shards[i]) == pytest.approx(
+            np.sqrt(2) * SIGMA * C / B, rel=0.06
+        )
+    assert np.std(u[0]) == pytest.approx(SIGMA * C / B, rel=0.05)

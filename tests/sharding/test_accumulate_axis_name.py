@@ -248,3 +248,33 @@ def test_skip_large_updates_judges_the_micro_batch_gradient_in_both_modes(
     np.testing.assert_allclose(np.asarray(u), [float(g_u)] * len(grads), rtol=1e-6)
     np.testing.assert_array_equal(state.num_skipped, int(skipped))
     np.testing.assert_allclose(state.skip_state["norm"], mean, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_axis_name_over_data_with_a_tensor_parallel_model_axis(reduction):
+    """Issue 39, finding 3: inside ``shard_map`` on a (data 2 x model 4) mesh
+    with ``w`` split over ``model``, the boundary's update varies over
+    ``model`` once the data axis is reduced; the hold branch's zeros must too
+    (the ``cond`` refused the branches' types)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tx = optax_accum.accumulate(optax.sgd(0.1), 2, reduction=reduction,
+                                axis_name="data")  # fmt: skip
+    grads = jnp.arange(2 * 8.0).reshape(2, 8)  # one row per data device
+
+    def step(w, g):
+        s = tx.init({"w": w})
+        first, s = tx.update({"w": g[0]}, s, {"w": w})
+        second, s = tx.update({"w": 2 * g[0]}, s, {"w": w})
+        return first["w"][None], second["w"][None]
+
+    run = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(P("model"), P("data", "model")),
+        out_specs=(P("data", "model"), P("data", "model")),
+    ))  # fmt: skip
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    first, second = run(put(jnp.zeros(8), P("model")), put(grads, P("data", "model")))
+    window = 3 * grads.sum(0)  # both calls of both data devices
+    if reduction == "mean":
+        window = window / 4
+    np.testing.assert_array_equal(first, np.zeros((2, 8)))
+    np.testing.assert_allclose(second, np.stack([-0.1 * window] * 2), rtol=1e-6)
