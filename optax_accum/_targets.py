@@ -8,9 +8,10 @@ library's claims about the compiled program (which branch runs, the copies,
 the temporary memory) are claims per compiler; this module lets a test check
 them on each compiler from shape structs, with the ``compilers`` extra.
 
-`compile_for` places each argument on a mesh over the target's devices,
-compiles, and returns the program with the compiler that made it and its
-device memory read the same way on every compiler (`Memory`).
+`compile_for` places each argument on a mesh over the target's devices (or,
+for host-memory arguments, lowers on a CPU mesh of that shape for the
+target's platform), compiles, and returns the program with the compiler that
+made it and its device memory read the same way on every compiler (`Memory`).
 """
 
 from __future__ import annotations
@@ -79,19 +80,29 @@ class Memory(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """A program compiled for a target, and which compiler made it."""
+    """A program compiled for a target, and which compiler made it.
 
-    program: jax.stages.Compiled
+    ``program`` is a ``jax.stages.Compiled``, or, for host-memory arguments
+    (compiled from the StableHLO lowered on a CPU mesh), XLA's executable.
+    """
+
+    program: Any
     target: str
     compiler: str
     mesh: Mesh
 
     def as_text(self) -> str:
         """The optimized HLO."""
-        return self.program.as_text()
+        if hasattr(self.program, "as_text"):
+            return self.program.as_text()
+        return self.program.hlo_modules()[0].to_string()
 
     def memory(self) -> Memory:
-        stats = self.program.memory_analysis()
+        """Device memory (host buffers are left out on every compiler)."""
+        if hasattr(self.program, "memory_analysis"):
+            stats = self.program.memory_analysis()
+        else:
+            stats = self.program.get_compiled_memory_stats()
         arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
         alias, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
         if TARGETS[self.target].platform == "tpu":
@@ -107,6 +118,7 @@ def compile_for(
     axis_names: tuple[str, ...] = ("data",),
     mesh_shape: tuple[int, ...] | None = None,
     donate_argnums: int | tuple[int, ...] = (),
+    memory_kinds: Sequence[Any] | None = None,
 ) -> Compiled:
     """Compiles ``jax.jit(fn)(*args)`` for ``target``, without its devices.
 
@@ -121,6 +133,12 @@ def compile_for(
       axis_names: the mesh's axis names.
       mesh_shape: the mesh's shape (default: every device on one axis).
       donate_argnums: as for ``jax.jit``.
+      memory_kinds: one memory kind (``"device"``, ``"pinned_host"``; or a
+        pytree prefix of them) per argument; ``None``, the device's. The
+        target's devices have no memories to place an argument in, so with a
+        host-memory argument the step is lowered on a mesh of as many CPU
+        devices (``jax_num_cpu_devices``) for the target's platform and that
+        program compiled by the target's compiler.
 
     Returns:
       A `Compiled`: the program, the compiler that made it and the mesh.
@@ -131,14 +149,13 @@ def compile_for(
         not installed.
     """
     mesh = target_mesh(target, axis_names, mesh_shape)
-    specs = (None,) * len(args) if specs is None else tuple(specs)
-    if len(specs) != len(args):
-        raise ValueError(
-            f"`specs` must have one entry per argument: got {len(specs)} for "
-            f"{len(args)} arguments."
-        )
-    placed = [_place(a, s, mesh) for a, s in zip(args, specs, strict=True)]
+    specs = _per_argument(specs, args, "specs")
+    kinds = _per_argument(memory_kinds, args, "memory_kinds")
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    if any("pinned_host" in jax.tree.leaves(k) for k in kinds if k is not None):
+        program = _compile_via_cpu(jitted, args, specs, kinds, mesh, target)
+        return Compiled(program, target, compiler(target), mesh)
+    placed = [_place(a, s, mesh) for a, s in zip(args, specs, strict=True)]
     with warnings.catch_warnings():
         # JAX's persistent cache (where on) stores the program but cannot
         # load a program compiled without its devices: it compiles again.
@@ -254,21 +271,77 @@ def _reshape(devices: Sequence[Any], shape: tuple[int, ...]) -> Any:
     return np.asarray(devices, dtype=object).reshape(shape)
 
 
-def _place(arg: Any, spec: Any, mesh: Mesh) -> Any:
-    """``arg`` as shape structs on ``mesh``, with ``spec`` (a prefix)."""
-    spec = PartitionSpec() if spec is None else spec
-    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)
-    specs = jax.tree.map(
-        lambda s, a: jax.tree.map(lambda _: s or PartitionSpec(), a),
-        spec,
-        arg,
-        is_leaf=is_spec,
-    )
+def _per_argument(values: Any, args: Sequence[Any], name: str) -> tuple[Any, ...]:
+    values = (None,) * len(args) if values is None else tuple(values)
+    if len(values) != len(args):
+        raise ValueError(
+            f"`{name}` must have one entry per argument: got {len(values)} for "
+            f"{len(args)} arguments."
+        )
+    return values
+
+
+def _place(arg: Any, spec: Any, mesh: Mesh, kind: Any = None) -> Any:
+    """``arg`` as shape structs on ``mesh``, with ``spec`` and the memory
+    ``kind`` (each a prefix of ``arg``)."""
+    specs = _broadcast(PartitionSpec() if spec is None else spec, arg)
+    kinds = _broadcast(kind, arg)
     return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=NamedSharding(mesh, s)
+        lambda a, s, k: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, s, memory_kind=k)
         ),
         arg,
         specs,
+        kinds,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def _broadcast(prefix: Any, tree: Any) -> Any:
+    """``prefix`` (a pytree prefix of ``tree``) repeated to ``tree``'s leaves."""
+    is_leaf = lambda x: x is None or isinstance(x, (PartitionSpec, str))
+    return jax.tree.map(
+        lambda p, sub: jax.tree.map(lambda _: p, sub),
+        prefix,
+        tree,
+        is_leaf=is_leaf,
+    )
+
+
+def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
+    """Host-memory arguments: lowered on a CPU mesh shaped like ``mesh`` for
+    the target's platform, then compiled by the target's compiler."""
+    import numpy as np
+    from jax._src import compiler as jax_compiler  # the options jit would use
+
+    cpus = jax.devices("cpu")
+    n = mesh.devices.size
+    if len(cpus) < n:
+        raise ValueError(
+            f"A host-memory argument for {target!r} ({n} devices) is lowered "
+            f"on {n} CPU devices; there are {len(cpus)}: set "
+            f'jax.config.update("jax_num_cpu_devices", {n}) before JAX starts.'
+        )
+    cpu_mesh = Mesh(np.asarray(cpus[:n]).reshape(mesh.devices.shape), mesh.axis_names)
+    placed = [
+        _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
+    ]
+    platform = TARGETS[target].platform
+    lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
+    options = jax_compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=n,
+        device_assignment=np.arange(n).reshape(1, n),
+    )
+    build = options.executable_build_options
+    build.use_spmd_partitioning = n > 1
+    build.use_shardy_partitioner = True
+    devices = list(mesh.devices.flat)
+    client = devices[0].client
+    from jax._src.lib import xla_client
+
+    return client.compile(
+        lowered.compiler_ir("stablehlo"),
+        executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options,
     )

@@ -265,7 +265,8 @@ class Engine:
     def _update_or_hold(
         self, emit, mb, window, params, acc, value, weight, micro, noise
     ):
-        """The single `lax.cond`: the inner optimizer on boundary steps only."""
+        """The single branch: the inner optimizer on boundary steps only (a
+        `lax.cond`, a loop of at most one trip on GPU: `_compiler.boundary_cond`)."""
         # Both branches return the inner state where `offload` keeps it,
         # whatever memory it arrived in (a restore, a user's write).
         inner_state = memory.settle(
@@ -295,18 +296,12 @@ class Engine:
             zeros = _hold_updates(shapes, window.update_step)
             return zeros, inner_state, False, ns.zero_stats() if stats else ()
 
-        updates, inner_state, stepped, stats = lax.cond(
-            run,
-            boundary,
-            hold,
-            acc,
-            value,
-            weight,
-            micro,
-            inner_state,
-            params,
-            mb.args.dynamic,
+        operands = (
+            acc, value, weight, micro, inner_state, params, mb.args.dynamic,
             local_stats,
+        )  # fmt: skip
+        updates, inner_state, stepped, stats = _compiler.boundary_cond(
+            run, boundary, hold, *operands, carried=4
         )
         return updates, inner_state, jnp.asarray(stepped, jnp.bool_), stats
 

@@ -93,3 +93,26 @@ def test_installed_compilers_are_the_pinned_ones(package):
         version,
         pin,
     )
+
+
+@pytest.mark.parametrize("target", ["h100", "h100x8", "v5e:2x2"])
+def test_host_memory_arguments_stay_on_the_host(target):
+    """A pinned_host argument, sharded: lowered on a CPU mesh of the target's
+    shape, compiled by the target's compiler, each device's shard in its
+    host memory and out of `Memory`."""
+    require(target)
+
+    def step(w, s):  # a state kept on the host between steps
+        s = jax.device_put(s, jax.memory.Space.Device) * 0.9 + w
+        return w - s, jax.device_put(s, jax.memory.Space.Host)
+
+    w = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+    compiled = _targets.compile_for(
+        step, w, w, target=target, specs=(P("data"), P("data")),
+        memory_kinds=(None, "pinned_host"), donate_argnums=(0, 1),
+    )  # fmt: skip
+    shard = 1024 * 256 * 4 // DEVICES[target]
+    stats = compiled.program.get_compiled_memory_stats()
+    assert stats.host_argument_size_in_bytes == shard
+    assert compiled.memory().argument == shard  # the device's shard of w
+    assert f"f32[{1024 // DEVICES[target]},256]" in compiled.as_text()
