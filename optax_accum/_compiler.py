@@ -84,6 +84,11 @@ def boundary_cond(
     def loop(pred, *ops):
         return _at_most_once(pred, boundary, hold, ops, carried)
 
+    if _differentiated(operands):
+        # A loop cannot be transposed (and `platform_dependent` traces every
+        # platform's branch): under `jax.grad` of an update, the conditional.
+        return branch(pred, *operands)
+
     return lax.platform_dependent(pred, *operands, default=branch, cuda=loop, rocm=loop)
 
 
@@ -116,6 +121,14 @@ def _at_most_once(pred, boundary, hold, ops, carried):
         lambda carry: carry[0], body, (jnp.asarray(pred, jnp.bool_), dynamic_of(start))
     )
     return rebuild(dynamic)
+
+
+def _differentiated(tree: Any) -> bool:
+    """Whether ``tree`` is being differentiated (forward or reverse mode)."""
+    return any(
+        type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+        for x in jax.tree.leaves(tree)
+    )
 
 
 def _is_float0(x: Any) -> bool:

@@ -140,3 +140,23 @@ def test_the_loop_passes_an_integer_inputs_gradient_through(monkeypatch):
     as_cond, as_loop = _both(monkeypatch, run)
     jax.tree.map(np.testing.assert_array_equal, as_cond, as_loop)
     np.testing.assert_array_equal(as_loop[0], -np.full(3, 3.0))  # 0.5 * 3 * 2
+
+
+def test_differentiating_an_update_takes_the_conditional():
+    """A loop cannot be transposed: under ``jax.grad`` of an update the branch
+    is the ``lax.cond`` on every platform, the loop only where the update is
+    not differentiated."""
+    tx = optax_accum.accumulate(optax.adam(0.1), 2)
+    params = jnp.ones(3)
+    state = tx.init(params)
+
+    def loss(params):
+        _, mid = tx.update(params * 2, state, params)
+        updates, _ = tx.update(params * 3, mid, params)
+        return jnp.sum(optax.apply_updates(params, updates))
+
+    grad = jax.grad(loss)
+    np.testing.assert_array_equal(jax.jit(grad)(params), grad(params))
+    for fn, loop in ((grad, False), (loss, True)):
+        text = jax.jit(fn).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("stablehlo.while" in text) == loop
