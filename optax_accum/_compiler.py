@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""The two places where the library steers XLA, each guarded by an HLO test.
+"""The places where the library steers XLA, each guarded by an HLO test.
 
-Both are about what the optimized program must not contain. If XLA changes
-and one of them stops working, its test names the symptom.
+Each is about what the optimized program must, or must not, contain, on the
+compilers it is checked for. If XLA changes and one of them stops working,
+its test names the symptom.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._sharding import broadcast
@@ -47,3 +49,87 @@ def pin_to_iteration(args: Sequence[Any], i: jax.Array) -> list[Any]:
     """
     held, _ = lax.optimization_barrier((list(args), i))
     return held
+
+
+def boundary_cond(
+    pred: jax.Array,
+    boundary: Callable[..., Any],
+    hold: Callable[..., Any],
+    *operands: Any,
+    carried: int,
+) -> Any:
+    """``lax.cond(pred, boundary, hold, *operands)`` that stays a branch on GPU.
+
+    XLA:GPU's conditional simplifier turns a two-way conditional whose
+    branches hold only elementwise work (an optimizer's update is) into
+    selects, so that ``boundary`` runs on every micro-step. A conditional it
+    keeps (one with an ``optimization_barrier`` in a branch, or `offload`'s
+    memory moves) copies each array the hold branch passes through: the inner
+    state, on every micro-step.
+    On CUDA and ROCm the branch is therefore a loop of zero or one trips,
+    which XLA keeps (it cannot know the trip count) and updates in place:
+    ``hold``'s outputs are the carry, and the one trip replaces them with
+    ``boundary``'s, reading the array it updates (``operands[carried]``, which
+    ``hold`` returns as its second output) from the carry. Elsewhere it is
+    the ``lax.cond``, and CPU and TPU compile the program they compiled before.
+
+    Both functions return ``(updates, state, stepped, *rest)`` with the same
+    types; ``float0`` leaves (integer inputs' gradients) are the same in both.
+    Guarded by ``tests/compilers/test_boundary_branch.py``.
+    """
+
+    def branch(pred, *ops):
+        return lax.cond(pred, boundary, hold, *ops)
+
+    def loop(pred, *ops):
+        return _at_most_once(pred, boundary, hold, ops, carried)
+
+    if _differentiated(operands):
+        # A loop cannot be transposed (and `platform_dependent` traces every
+        # platform's branch): under `jax.grad` of an update, the conditional.
+        return branch(pred, *operands)
+
+    return lax.platform_dependent(pred, *operands, default=branch, cuda=loop, rocm=loop)
+
+
+def _at_most_once(pred, boundary, hold, ops, carried):
+    """``hold(*ops)``, replaced by ``boundary``'s outputs where ``pred``."""
+    start = hold(*ops)
+    leaves, treedef = jax.tree.flatten(start)
+    static = [_is_float0(x) for x in leaves]
+
+    def rebuild(dynamic):
+        it = iter(dynamic)
+        return jax.tree.unflatten(
+            treedef, [x if s else next(it) for x, s in zip(leaves, static, strict=True)]
+        )
+
+    def dynamic_of(tree):
+        return [
+            jnp.asarray(x)
+            for x, s in zip(jax.tree.leaves(tree), static, strict=True)
+            if not s
+        ]
+
+    def body(carry):
+        _, dynamic = carry
+        ops_now = list(ops)
+        ops_now[carried] = rebuild(dynamic)[1]  # updated in place
+        return jnp.zeros([], jnp.bool_), dynamic_of(boundary(*ops_now))
+
+    _, dynamic = lax.while_loop(
+        lambda carry: carry[0], body, (jnp.asarray(pred, jnp.bool_), dynamic_of(start))
+    )
+    return rebuild(dynamic)
+
+
+def _differentiated(tree: Any) -> bool:
+    """Whether ``tree`` is being differentiated (forward or reverse mode)."""
+    return any(
+        type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _is_float0(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0

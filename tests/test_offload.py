@@ -156,18 +156,32 @@ def test_entry_layout_keeps_the_state_at_s5():
 
 
 def _case_regions(mlir):
-    """Lines of the boundary ``stablehlo.case``: outside, branch 0, branch 1."""
+    """Lines of the boundary branch lowered for GPU: outside it, the hold
+    branch, the boundary branch.
+
+    There the branch is a ``stablehlo.while`` of at most one trip
+    (`_compiler.boundary_cond`): its body steps, the hold outputs are its
+    carry. It sits in ``lax.platform_dependent``'s ``stablehlo.case`` beside
+    the other platforms' ``lax.cond`` (XLA keeps the platform's branch):
+    outside is outside that case, and the hold branch is what the GPU's
+    branch does besides the loop.
+    """
     lines = mlir.splitlines()
-    start = next(i for i, x in enumerate(lines) if '"stablehlo.case"' in x)
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    ends = [
-        i
-        for i in range(start + 1, len(lines))
-        if len(lines[i]) - len(lines[i].lstrip()) == indent
-        and lines[i].lstrip().startswith("}")
-    ]
-    sep, end = ends[0], ends[1]
-    return lines[:start] + lines[end:], lines[start:sep], lines[sep:end]
+    depth = lambda i: len(lines[i]) - len(lines[i].lstrip())
+    loop = next(i for i, x in enumerate(lines) if "stablehlo.while" in x)
+    cases = [i for i in range(loop) if '"stablehlo.case"' in lines[i]]
+    case = max(i for i in cases if depth(i) < depth(loop))
+    closes = [i for i in range(case + 1, len(lines)) if depth(i) == depth(case)]
+    case_end = next(i for i in closes if lines[i].lstrip().startswith("})"))
+    body = next(i for i in range(loop, len(lines)) if "} do {" in lines[i])
+    body_end = next(
+        i for i in range(body + 1, len(lines))
+        if depth(i) == depth(body) and lines[i].strip() == "}"
+    )  # fmt: skip
+    splits = [i for i in range(case, loop) if depth(i) == depth(case)]
+    branch = max((i for i in splits if "}, {" in lines[i]), default=case)
+    hold = lines[branch + 1 : loop]
+    return lines[:case] + lines[case_end + 1 :], hold, lines[body : body_end + 1]
 
 
 def _moves(lines, kind):

@@ -126,7 +126,10 @@ def accumulate(
     leaves ``inner``'s state and ``update_step`` untouched, like a hold step.
 
     Under ``jax.vmap``, ``lax.cond`` with a batched predicate runs both
-    branches, so the inner optimizer then runs on every micro-step.
+    branches, so the inner optimizer then runs on every micro-step. On GPU
+    the ``lax.cond`` is a loop of at most one trip (XLA:GPU would turn the
+    conditional into selects and run ``inner`` on every micro-step), except
+    where ``update`` itself is differentiated (``jax.grad`` through it).
 
     Args:
       inner: the optimizer to run on the accumulated gradient.

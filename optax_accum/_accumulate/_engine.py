@@ -270,8 +270,9 @@ class Engine:
     def _update_or_hold(
         self, emit, mb, window, params, acc, value, weight, micro, noise
     ):
-        """The single `lax.cond`: the inner optimizer on boundary steps only
-        (with ``clear_sums``, the window's sums zeroed there too)."""
+        """The single branch: the inner optimizer on boundary steps only (a
+        `lax.cond`, a loop of at most one trip on GPU: `_compiler.boundary_cond`;
+        with ``clear_sums``, the window's sums zeroed there too)."""
         # Both branches return the inner state where `offload` keeps it,
         # whatever memory it arrived in (a restore, a user's write).
         inner_state = memory.settle(
@@ -308,18 +309,12 @@ class Engine:
             stats = ns.zero_stats() if stats else ()
             return zeros, inner_state, False, stats, acc if self.clear_sums else ()
 
-        updates, inner_state, stepped, stats, cleared = lax.cond(
-            run,
-            boundary,
-            hold,
-            acc,
-            value,
-            weight,
-            micro,
-            inner_state,
-            params,
-            mb.args.dynamic,
+        operands = (
+            acc, value, weight, micro, inner_state, params, mb.args.dynamic,
             local_stats,
+        )  # fmt: skip
+        updates, inner_state, stepped, stats, cleared = _compiler.boundary_cond(
+            run, boundary, hold, *operands, carried=4
         )
         acc = cleared if self.clear_sums else acc
         return updates, inner_state, jnp.asarray(stepped, jnp.bool_), stats, acc

@@ -80,6 +80,19 @@ def while_bodies(comps: dict[str, list[str]]) -> set[str]:
     }
 
 
+def large_copies(comps: dict[str, list[str]], at_least: int = 1000) -> list[str]:
+    """Copies of arrays with at least ``at_least`` elements, in any computation."""
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+            if m:
+                dims = [int(d) for d in m.group(1).split(",") if d]
+                if int(np.prod(dims)) >= at_least:
+                    out.append(line)
+    return out
+
+
 def count(comps: dict[str, list[str]], names: Iterable[str], pattern=ALL_REDUCE) -> int:
     """Matches of ``pattern`` in the named computations."""
     return sum(len(pattern.findall(line)) for c in names for line in comps[c])

@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The optax_accum Authors.
+"""Compiling a step for a GPU or TPU this machine does not have.
+
+JAX compiles for a topology without its devices (deviceless AOT): XLA:GPU
+from the CUDA plugin and a target description, XLA:TPU from libtpu. The
+library's claims about the compiled program (which branch runs, the copies,
+the temporary memory) are claims per compiler; this module lets a test check
+them on each compiler from shape structs, with the ``compilers`` extra.
+
+`compile_for` places each argument on a mesh over the target's devices (or,
+for host-memory arguments, lowers on a CPU mesh of that shape for the
+target's platform), compiles, and returns the program with the compiler that
+made it and its device memory read the same way on every compiler (`Memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._extras import install_command
+
+_CONFIGS = Path(__file__).parent / "_target_configs"
+
+
+class Target(NamedTuple):
+    """A named target: its platform, topology and what it is."""
+
+    platform: str  # "cuda" or "tpu"
+    topology: str
+    about: str
+    config: str | None = None  # a GPU's target description, in _CONFIGS
+    chips_per_host: tuple[int, ...] | None = None  # a TPU smaller than a host
+
+
+TARGETS = {
+    "h100": Target("cuda", "1x1x1", "one H100 80GB", "h100_80gb.txtpb"),
+    "h100x8": Target("cuda", "1x8x1", "an 8-GPU H100 80GB host", "h100_80gb.txtpb"),
+    "v5e": Target("tpu", "v5e:1x1", "one TPU v5e chip", chips_per_host=(1, 1, 1)),
+    "v5e:2x2": Target("tpu", "v5e:2x2", "a TPU v5e 2x2 slice (4 chips)"),
+    # Colab's TPU runtime is a v5e-1, one chip (the v2-8 is retired).
+    "colab_tpu": Target(
+        "tpu", "v5e:1x1", "Colab's TPU runtime (v5e-1)", chips_per_host=(1, 1, 1)
+    ),
+}
+
+# The packages of the `compilers` extra, by platform.
+_PLUGINS = {
+    "cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"),
+    "tpu": ("libtpu", "libtpu"),
+}
+
+
+class Memory(NamedTuple):
+    """Device bytes of a compiled program, the same quantities on every compiler.
+
+    XLA:GPU's ``peak_memory_in_bytes`` also counts host buffers, and XLA:TPU
+    reports ``temp_size_in_bytes = 0`` with its working memory in the peak
+    only; here ``peak = argument + output - alias + temp`` on both.
+    """
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A program compiled for a target, and which compiler made it.
+
+    ``program`` is a ``jax.stages.Compiled``, or, for host-memory arguments
+    (compiled from the StableHLO lowered on a CPU mesh), XLA's executable.
+    """
+
+    program: Any
+    target: str
+    compiler: str
+    mesh: Mesh
+
+    def as_text(self) -> str:
+        """The optimized HLO."""
+        if hasattr(self.program, "as_text"):
+            return self.program.as_text()
+        return self.program.hlo_modules()[0].to_string()
+
+    def memory(self) -> Memory:
+        """Device memory (host buffers are left out on every compiler)."""
+        if hasattr(self.program, "memory_analysis"):
+            stats = self.program.memory_analysis()
+        else:
+            stats = self.program.get_compiled_memory_stats()
+        arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
+        alias, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
+        if TARGETS[self.target].platform == "tpu":
+            temp = max(temp, stats.peak_memory_in_bytes - (arg + out - alias))
+        return Memory(arg, out, alias, temp, arg + out - alias + temp)
+
+
+def compile_for(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str,
+    specs: Sequence[Any] | None = None,
+    axis_names: tuple[str, ...] = ("data",),
+    mesh_shape: tuple[int, ...] | None = None,
+    donate_argnums: int | tuple[int, ...] = (),
+    memory_kinds: Sequence[Any] | None = None,
+) -> Compiled:
+    """Compiles ``jax.jit(fn)(*args)`` for ``target``, without its devices.
+
+    Args:
+      fn: the function (a training step).
+      *args: its arguments: pytrees of ``jax.ShapeDtypeStruct`` or arrays
+        (their shapes and dtypes).
+      target: a name of `TARGETS`: ``"h100"``, ``"h100x8"``, ``"v5e"``,
+        ``"v5e:2x2"`` or ``"colab_tpu"``.
+      specs: one ``PartitionSpec`` (or a pytree prefix of them) per argument
+        over the mesh; ``None`` (the default) replicates every argument.
+      axis_names: the mesh's axis names.
+      mesh_shape: the mesh's shape (default: every device on one axis).
+      donate_argnums: as for ``jax.jit``.
+      memory_kinds: one memory kind (``"device"``, ``"pinned_host"``; or a
+        pytree prefix of them) per argument; ``None``, the device's. The
+        target's devices have no memories to place an argument in, so with a
+        host-memory argument the step is lowered on a mesh of as many CPU
+        devices (``jax_num_cpu_devices``) for the target's platform and that
+        program compiled by the target's compiler.
+
+    Returns:
+      A `Compiled`: the program, the compiler that made it and the mesh.
+
+    Raises:
+      ValueError: for an unknown ``target``, naming the known ones.
+      ImportError: where the target's compiler (the ``compilers`` extra) is
+        not installed.
+    """
+    mesh = target_mesh(target, axis_names, mesh_shape)
+    specs = _per_argument(specs, args, "specs")
+    kinds = _per_argument(memory_kinds, args, "memory_kinds")
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    if any("pinned_host" in jax.tree.leaves(k) for k in kinds if k is not None):
+        program = _compile_via_cpu(jitted, args, specs, kinds, mesh, target)
+        return Compiled(program, target, compiler(target), mesh)
+    placed = [_place(a, s, mesh) for a, s in zip(args, specs, strict=True)]
+    with warnings.catch_warnings():
+        # JAX's persistent cache (where on) stores the program but cannot
+        # load a program compiled without its devices: it compiles again.
+        warnings.filterwarnings(
+            "ignore", "Error reading persistent compilation cache", UserWarning
+        )
+        program = jitted.trace(*placed).lower().compile()
+    return Compiled(program, target, compiler(target), mesh)
+
+
+def target_mesh(
+    target: str,
+    axis_names: tuple[str, ...] = ("data",),
+    mesh_shape: tuple[int, ...] | None = None,
+) -> Mesh:
+    """A mesh over ``target``'s devices (default: all on one axis)."""
+    devices = _devices(_checked(target))
+    shape = (len(devices),) if mesh_shape is None else tuple(mesh_shape)
+    return Mesh(_reshape(devices, shape), axis_names)
+
+
+def compiler(target: str) -> str:
+    """Which compiler `compile_for` uses for ``target``, and its version."""
+    spec = TARGETS[_checked(target)]
+    kind = _devices(target)[0].device_kind
+    n = len(_devices(target))
+    package = _PLUGINS[spec.platform][1]
+    name = "XLA:GPU" if spec.platform == "cuda" else "XLA:TPU"
+    version = importlib.metadata.version(package)
+    return f"{name} ({package} {version}) for {n} x {kind}"
+
+
+def available(target: str) -> bool:
+    """Whether ``target``'s compiler is installed."""
+    module = _PLUGINS[TARGETS[_checked(target)].platform][0]
+    return _find(module)
+
+
+def _checked(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"`target` must be one of {list(TARGETS)}, got {target!r}.")
+    return target
+
+
+def _find(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+@functools.cache
+def _devices(target: str) -> tuple[Any, ...]:
+    spec = TARGETS[target]
+    module, package = _PLUGINS[spec.platform]
+    if not _find(module):
+        raise ImportError(
+            f"Compiling for {target!r} needs {package}, in the `compilers` "
+            f"extra: {install_command('compilers')}"
+        )
+    _prepare(spec.platform)
+    from jax.experimental import topologies
+
+    if spec.platform == "tpu":
+        kwargs = {}
+        if spec.chips_per_host is not None:
+            kwargs["chips_per_host_bounds"] = list(spec.chips_per_host)
+        topology = topologies.get_topology_desc(
+            topology_name=spec.topology, platform="tpu", **kwargs
+        )
+        return tuple(topology.devices)
+    config = (_CONFIGS / spec.config).read_text()
+    get = functools.partial(
+        topologies.get_topology_desc,
+        platform="cuda",
+        target_config=config,
+        topology=spec.topology,
+    )
+    try:
+        topology = get()
+    except NotImplementedError:
+        # JAX started before `_prepare`: without a GPU the plugin failed its
+        # check of the CUDA libraries and did not register. It can register
+        # late, as no CUDA backend was made.
+        importlib.import_module(module).initialize()
+        topology = get()
+    return tuple(topology.devices)
+
+
+def _prepare(platform: str) -> None:
+    """Environment for loading a plugin on a machine without its devices.
+
+    Read when the plugin loads, so each is a default a caller may override.
+    """
+    if platform == "cuda":
+        # The plugin's check of the CUDA libraries, which compiling needs not.
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        return
+    # No metadata server to ask for the TPU's type and hosts (off Cloud it
+    # times out), and other processes (test workers) may load libtpu too.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _reshape(devices: Sequence[Any], shape: tuple[int, ...]) -> Any:
+    import numpy as np
+
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"`mesh_shape` {shape} must hold the target's {len(devices)} devices."
+        )
+    return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def _per_argument(values: Any, args: Sequence[Any], name: str) -> tuple[Any, ...]:
+    values = (None,) * len(args) if values is None else tuple(values)
+    if len(values) != len(args):
+        raise ValueError(
+            f"`{name}` must have one entry per argument: got {len(values)} for "
+            f"{len(args)} arguments."
+        )
+    return values
+
+
+def _place(arg: Any, spec: Any, mesh: Mesh, kind: Any = None) -> Any:
+    """``arg`` as shape structs on ``mesh``, with ``spec`` and the memory
+    ``kind`` (each a prefix of ``arg``)."""
+    specs = _broadcast(PartitionSpec() if spec is None else spec, arg)
+    kinds = _broadcast(kind, arg)
+    return jax.tree.map(
+        lambda a, s, k: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, s, memory_kind=k)
+        ),
+        arg,
+        specs,
+        kinds,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def _broadcast(prefix: Any, tree: Any) -> Any:
+    """``prefix`` (a pytree prefix of ``tree``) repeated to ``tree``'s leaves."""
+    is_leaf = lambda x: x is None or isinstance(x, (PartitionSpec, str))
+    return jax.tree.map(
+        lambda p, sub: jax.tree.map(lambda _: p, sub),
+        prefix,
+        tree,
+        is_leaf=is_leaf,
+    )
+
+
+def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
+    """Host-memory arguments: lowered on a CPU mesh shaped like ``mesh`` for
+    the target's platform, then compiled by the target's compiler."""
+    import numpy as np
+    from jax._src import compiler as jax_compiler  # the options jit would use
+
+    cpus = jax.devices("cpu")
+    n = mesh.devices.size
+    if len(cpus) < n:
+        raise ValueError(
+            f"A host-memory argument for {target!r} ({n} devices) is lowered "
+            f"on {n} CPU devices; there are {len(cpus)}: set "
+            f'jax.config.update("jax_num_cpu_devices", {n}) before JAX starts.'
+        )
+    cpu_mesh = Mesh(np.asarray(cpus[:n]).reshape(mesh.devices.shape), mesh.axis_names)
+    placed = [
+        _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
+    ]
+    platform = TARGETS[target].platform
+    lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
+    options = jax_compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=n,
+        device_assignment=np.arange(n).reshape(1, n),
+    )
+    build = options.executable_build_options
+    build.use_spmd_partitioning = n > 1
+    build.use_shardy_partitioner = True
+    devices = list(mesh.devices.flat)
+    client = devices[0].client
+    from jax._src.lib import xla_client
+
+    return client.compile(
+        lowered.compiler_ir("stablehlo"),
+        executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options,
+    )
