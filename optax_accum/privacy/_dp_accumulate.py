@@ -25,7 +25,7 @@ from .. import _checks, _dtypes, _schedules
 from .._accumulate import Engine, sum_and_clear
 from .._typing import AccumulatorDType, AxisName
 from . import _checks as _privacy_checks
-from ._noise import add_noise
+from ._noise import add_noise, refuse_shared_key_under_vmap
 
 
 def dp_accumulate(
@@ -200,6 +200,7 @@ def dp_accumulate(
                 f"the sensitivity; got weight={extra_args['weight']!r}. Mark "
                 "padding rows with clipped_value_and_grad's `example_mask_fn`."
             )
+        refuse_shared_key_under_vmap(grads, state.inner_state[0].key)
         return tx.update(_widened(grads), state, params, **extra_args)
 
     def init_fn(params: optax.Params) -> Any:

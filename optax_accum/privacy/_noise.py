@@ -70,6 +70,27 @@ def add_noise(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _batched(x: Any) -> bool:
+    # jax.vmap's tracer; JAX exposes no public test for it.
+    return type(x).__name__ == "BatchTracer"
+
+
+def refuse_shared_key_under_vmap(updates: Any, key: Any) -> None:
+    """``jax.vmap`` over ensemble members whose states share one key would
+    give every member the same noise, and the difference of two members'
+    updates would carry none (issue 39, finding 8)."""
+    if _batched(key) or not any(_batched(g) for g in jax.tree.leaves(updates)):
+        return
+    raise ValueError(
+        "`dp_accumulate` under `jax.vmap` with one noise key for every member: "
+        "each would draw the same noise, and the difference of two members' "
+        "updates would carry none. Map over states with a key each: e.g. "
+        "`keys = jax.random.split(key, n)`, and each member's state with "
+        "`state.inner_state[0].key` replaced by `jax.random.key_data(keys[i])` "
+        "(or one `dp_accumulate` per member)."
+    )
+
+
 def _shard_key(key: jax.Array, g: Any) -> jax.Array:
     """The key of this device's part of leaf ``g``.
 

@@ -501,3 +501,25 @@ def test_injected_mechanism_parameters_under_jit_name_the_fix():
     state = inner_only.init(params)
     _, state = jax.jit(inner_only.update)({"w": jnp.ones(2)}, state, params)
     assert "key" not in state.hyperparams
+
+
+def test_vmap_over_members_sharing_one_key_is_refused():
+    """Issue 39, finding 8: an ensemble under ``jax.vmap`` whose members share
+    the state's key would draw the same noise for every member; with a key
+    per member it runs, and the members' noise differs."""
+    tx = _tx(optax.sgd(1.0), k=1, sigma=1.0)
+    params = {"w": jnp.zeros((3, 4))}  # 3 members
+    grads = {"w": jnp.zeros((3, 4))}
+    state = tx.init({"w": jnp.zeros(4)})
+    shared = jax.vmap(lambda g, p: tx.update(g, state, p)[0])
+    with pytest.raises(ValueError, match="one noise key for every member"):
+        shared(grads, params)
+    keys = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(5), 3))
+
+    def member(g, p, key):
+        noise, inner = state.inner_state
+        s = state._replace(inner_state=(noise._replace(key=key), inner))
+        return tx.update(g, s, p)[0]
+
+    u = np.asarray(jax.vmap(member)(grads, params, keys)["w"])
+    assert not np.allclose(u[0], u[1]) and not np.allclose(u[1], u[2])
