@@ -69,7 +69,10 @@ def test_demo_end_to_end(tmp_path):
     assert "train loss: the mean over the whole training set" in text
 
 
-HINT = 'pip install "optax_accum[examples]"'
+HINT = (  # by name, and from a source checkout (optax_accum._extras)
+    'pip install "optax_accum[examples]", or from a source checkout, in its '
+    'root folder: pip install -e ".[examples]"'
+)
 # Blocks one module as a fresh interpreter starts: `sys.modules[name] = None`
 # makes `import name` raise ImportError and `find_spec(name)` return None.
 RUN_WITHOUT = """
