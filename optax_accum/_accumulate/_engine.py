@@ -36,7 +36,7 @@ from .. import _offload as memory
 from .._checks import bool_scalar
 from .._devices import Devices
 from .._reduction import Mean, Sum
-from . import _skip, _value_since
+from . import _hold, _skip, _value_since
 
 
 class Window(NamedTuple):
@@ -297,7 +297,10 @@ class Engine:
                     dynamic, stats,
                 )  # fmt: skip
                 # Only with clear_sums does the accumulator leave the cond.
-                return (*out, jax.tree.map(_zeros_like, acc) if self.clear_sums else ())
+                return (
+                    *out,
+                    jax.tree.map(_hold.zeros_like, acc) if self.clear_sums else (),
+                )
 
         def hold(acc, value, weight, micro, inner_state, params, dynamic, stats):
             emitted = jax.eval_shape(
@@ -305,7 +308,7 @@ class Engine:
                 stats,
             )[0]  # fmt: skip
             del value, weight, micro, params, dynamic
-            zeros = _varying_like(_hold_updates(shapes, window.update_step), emitted)
+            zeros = _hold.updates(shapes, window.update_step, emitted)
             stats = ns.zero_stats() if stats else ()
             return zeros, inner_state, False, stats, acc if self.clear_sums else ()
 
@@ -346,7 +349,7 @@ class Engine:
             # data axes are reduced): the branches' types must agree.
             emitted = jax.eval_shape(step_inner, g, value, inner_state, params, dynamic)
             return (
-                _varying_like(_hold_updates(shapes, micro), emitted[0]),
+                _hold.updates(shapes, micro, emitted[0]),
                 inner_state,
                 False,
             )
@@ -411,45 +414,6 @@ def _check_grads(grads: Any, accumulator: Any, devices: Devices) -> None:
 def _window_gradient(g: Any) -> Any:
     """What the boundary passes on for a leaf shaped like ``g``."""
     return _partial_sums.finish(g) if not _dtypes.is_float0(g) else g
-
-
-def _zeros_like(a: jax.Array) -> jax.Array:
-    """Zeros typed as ``a``: its sharding and the manual axes it varies over
-    (a per-device accumulator inside ``shard_map``), as a cond output must."""
-    return _sharding.match_varying(jnp.zeros_like(a), a)
-
-
-def _hold_updates(shapes: Any, counter: jax.Array) -> Any:
-    """Zero updates with the boundary's shapes and dtypes."""
-    float0 = [s.dtype == jax.dtypes.float0 for s in jax.tree.leaves(shapes)]
-    if not any(float0):
-        return _compiler.distinct_zeros(shapes, counter)
-    leaves, treedef = jax.tree.flatten(shapes)
-    zeros = _compiler.distinct_zeros(
-        [s for s, f in zip(leaves, float0, strict=True) if not f], counter
-    )
-    it = iter(zeros)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            np.zeros(s.shape, jax.dtypes.float0) if f else next(it)
-            for s, f in zip(leaves, float0, strict=True)
-        ],
-    )
-
-
-def _varying_like(zeros: Any, emitted: Any) -> Any:
-    """The hold branch's zeros varying over the manual axes the boundary's
-    updates vary over (``emitted``, from ``eval_shape``): inside ``shard_map``
-    a tensor-parallel leaf's update varies over the model axis once the data
-    axes are reduced, and a ``cond``'s branches must agree on it."""
-
-    def match(z: Any, like: Any) -> Any:
-        if _dtypes.is_float0(z):
-            return z
-        return _sharding.match_varying(z, like)
-
-    return jax.tree.map(match, zeros, emitted)
 
 
 def _like(tree: Any, like: Any) -> Any:
