@@ -259,6 +259,51 @@ def _r(r) -> str:
     return f"{r.median:.2f} ({r.q25:.2f}-{r.q75:.2f})"
 
 
+def _clearing_markdown(rows: Any) -> list[str]:
+    """The cost of dp_accumulate's clearing of the window's sums."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## Clearing: the boundary zeroes the window's sums; {CLEAR_K} calls "
+        f"per window, micro-batches of {MICRO}",
+        "",
+        "`dp_accumulate` against the same mechanism without the clear, the "
+        f"state donated. window: {CLEAR_K} calls of (clip a micro-batch, "
+        f"update); update: {CLEAR_K} updates alone, on a clipped sum.",
+        "",
+    ]
+    lines += harness.table(
+        ["timed", "time, cleared / kept", "kept ms"],
+        [
+            (r["what"], _r(r["ratio"]), f"{r['kept_ms']:.2f}")
+            for r in rows
+            if "ratio" in r
+        ],
+        "lrr",
+    )
+    lines += [
+        "",
+        "The compiled update's `memory_analysis()`, bytes:",
+        "",
+    ]
+    lines += harness.table(
+        ["update", "temp, kept", "temp, cleared", "peak, kept", "peak, cleared"],
+        [
+            (
+                r["what"],
+                f"{r['temp_kept']:,}",
+                f"{r['temp_cleared']:,}",
+                f"{r['peak_kept']:,}",
+                f"{r['peak_cleared']:,}",
+            )
+            for r in rows
+            if "temp_kept" in r
+        ],
+        "lrrrr",
+    )
+    return lines
+
+
 def markdown(data: dict[str, Any]) -> str:
     cfg = data["config"]
     lines = [
@@ -311,46 +356,7 @@ def markdown(data: dict[str, Any]) -> str:
         ],
         "rrrrr",
     )
-    rows = data.get("clearing", ())
-    lines += [
-        "",
-        f"## Clearing: the boundary zeroes the window's sums; {CLEAR_K} calls "
-        f"per window, micro-batches of {MICRO}",
-        "",
-        "`dp_accumulate` against the same mechanism without the clear, the "
-        f"state donated. window: {CLEAR_K} calls of (clip a micro-batch, "
-        f"update); update: {CLEAR_K} updates alone, on a clipped sum.",
-        "",
-    ]
-    lines += harness.table(
-        ["timed", "time, cleared / kept", "kept ms"],
-        [
-            (r["what"], _r(r["ratio"]), f"{r['kept_ms']:.2f}")
-            for r in rows
-            if "ratio" in r
-        ],
-        "lrr",
-    )
-    lines += [
-        "",
-        "The compiled update's `memory_analysis()`, bytes:",
-        "",
-    ]
-    lines += harness.table(
-        ["update", "temp, kept", "temp, cleared", "peak, kept", "peak, cleared"],
-        [
-            (
-                r["what"],
-                f"{r['temp_kept']:,}",
-                f"{r['temp_cleared']:,}",
-                f"{r['peak_kept']:,}",
-                f"{r['peak_cleared']:,}",
-            )
-            for r in rows
-            if "temp_kept" in r
-        ],
-        "lrrrr",
-    )
+    lines += _clearing_markdown(data.get("clearing", ()))
     return "\n".join(lines) + "\n"
 
 
