@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ._dtypes import is_float0
 from ._sharding import broadcast
 
 
@@ -96,7 +96,7 @@ def _at_most_once(pred, boundary, hold, ops, carried):
     """``hold(*ops)``, replaced by ``boundary``'s outputs where ``pred``."""
     start = hold(*ops)
     leaves, treedef = jax.tree.flatten(start)
-    static = [_is_float0(x) for x in leaves]
+    static = [is_float0(x) for x in leaves]
 
     def rebuild(dynamic):
         it = iter(dynamic)
@@ -129,7 +129,3 @@ def _differentiated(tree: Any) -> bool:
         type(x).__name__ in ("JVPTracer", "LinearizeTracer")
         for x in jax.tree.leaves(tree)
     )
-
-
-def _is_float0(x: Any) -> bool:
-    return isinstance(x, np.ndarray) and x.dtype == jax.dtypes.float0

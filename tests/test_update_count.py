@@ -95,17 +95,23 @@ def test_counts_inside_a_lax_scan_training_loop():
     np.testing.assert_array_equal(counts, [0, 0, 1, 1, 1, 2, 2])
 
 
-def test_nnx_optimizer_counts_updates_not_calls():
+def _nnx_optimizers_after_calls():
+    """An ``nnx.Optimizer`` per accumulating face, after CALLS updates."""
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     grads = nnx.state(model, nnx.Param)
     for tx in (
         optax_accum.accumulate(optax.sgd(0.1), K),
-        optax_accum.MultiSteps(optax.sgd(0.1), K).gradient_transformation(),
+        optax_accum.MultiSteps(optax.adam(0.1), K).gradient_transformation(),
     ):
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         for _ in range(CALLS):
             optimizer.update(model, grads)
+        yield nnx, optimizer
+
+
+def test_nnx_optimizer_counts_updates_not_calls():
+    for nnx, optimizer in _nnx_optimizers_after_calls():
         assert int(optimizer.step[...]) == CALLS  # nnx counts calls
         assert int(optax_accum.update_count(optimizer)) == CALLS // K
         assert int(optax_accum.update_count(optimizer.opt_state)) == CALLS // K
@@ -175,16 +181,7 @@ def test_the_split_nnx_state_that_orbax_saves():
     """``nnx.state(optimizer)`` (what Orbax saves, what split/merge loops pass)
     holds the accumulation state as a mapping of its fields, beside ``step``:
     the count is still the updates, not ``step``'s calls."""
-    nnx = pytest.importorskip("flax.nnx")
-    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    grads = nnx.state(model, nnx.Param)
-    for tx in (
-        optax_accum.accumulate(optax.sgd(0.1), K),
-        optax_accum.MultiSteps(optax.adam(0.1), K).gradient_transformation(),
-    ):
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        for _ in range(CALLS):
-            optimizer.update(model, grads)
+    for nnx, optimizer in _nnx_optimizers_after_calls():
         state = nnx.state(optimizer)
         assert int(optax_accum.update_count(state)) == CALLS // K
         assert int(optax_accum.update_count(state["opt_state"])) == CALLS // K
