@@ -13,8 +13,10 @@ through a branch (a conditional or the boundary's loop: Adam's sqrt is the
 marker), the conditionals, the selects, and the copies of 1,000 elements or
 more.
 
-Run ``python benchmarks/bench_compilers.py`` (two minutes on 2 cores), or
-through ``benchmarks/run.py`` (``--quick``: a tiny GPT and a 128-wide MLP).
+Run ``python benchmarks/bench_compilers.py --out benchmarks/results`` (two
+minutes on 2 cores; ``--quick``: a tiny GPT and a 128-wide MLP), or through
+``benchmarks/run.py``. Without the ``compilers`` extra only XLA:CPU's rows are
+made.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import optax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import harness  # noqa: E402
 from transformer.steps import Key, gpt, init_state, step_fn  # noqa: E402
 
 import optax_accum  # noqa: E402
@@ -107,7 +110,8 @@ def facts(text):
     }
 
 
-def measure(quick: bool = False) -> dict:
+def measure(quick: bool = False, rounds: int | None = None) -> dict:
+    del rounds  # compiled, not timed
     sizes = SIZES["quick" if quick else "full"]
     targets = ["cpu"] + [t for t in ("h100", "v5e") if _targets.available(t)]
     models = (
@@ -128,6 +132,16 @@ def measure(quick: bool = False) -> dict:
 
 def markdown(data: dict) -> str:
     lines = [
+        f"Made by `{data.get('command', 'python benchmarks/bench_compilers.py')}`. "
+        "Compiled, not run: XLA:GPU for an H100 and XLA:TPU for a v5e chip "
+        "without the devices (the `compilers` extra). One micro-step of "
+        "`accumulate` and of `optax.MultiSteps` (AdamW, k = 4, state donated); "
+        "ratios are `accumulate`'s over `optax.MultiSteps`' in the same "
+        "compiler. Temp is the working memory (on XLA:TPU the peak less "
+        "arguments and outputs); the inner optimizer is in a branch where "
+        "Adam's sqrt is reachable only through a conditional or the "
+        "boundary's loop.",
+        "",
         "| model | compiler | step | temp MiB | ratio | peak MiB | ratio "
         "| inner in a branch | conditionals | selects | large copies |",
         "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
@@ -148,5 +162,9 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _measure(quick: bool = False, rounds: int | None = None) -> dict:
+    return {**measure(quick, rounds), "command": harness.report.command_line()}
+
+
 if __name__ == "__main__":
-    print(markdown(measure()))
+    raise SystemExit(harness.script_main("compilers", __doc__, _measure, markdown))

@@ -47,6 +47,7 @@ class Target(NamedTuple):
 
 TARGETS = {
     "h100": Target("cuda", "1x1x1", "one H100 80GB", "h100_80gb.txtpb"),
+    "h100x4": Target("cuda", "1x4x1", "4 H100 80GB GPUs", "h100_80gb.txtpb"),
     "h100x8": Target("cuda", "1x8x1", "an 8-GPU H100 80GB host", "h100_80gb.txtpb"),
     "v5e": Target("tpu", "v5e:1x1", "one TPU v5e chip", chips_per_host=(1, 1, 1)),
     "v5e:2x2": Target("tpu", "v5e:2x2", "a TPU v5e 2x2 slice (4 chips)"),
@@ -119,6 +120,7 @@ def compile_for(
     mesh_shape: tuple[int, ...] | None = None,
     donate_argnums: int | tuple[int, ...] = (),
     memory_kinds: Sequence[Any] | None = None,
+    axis_types: tuple[Any, ...] | None = None,
 ) -> Compiled:
     """Compiles ``jax.jit(fn)(*args)`` for ``target``, without its devices.
 
@@ -126,7 +128,7 @@ def compile_for(
       fn: the function (a training step).
       *args: its arguments: pytrees of ``jax.ShapeDtypeStruct`` or arrays
         (their shapes and dtypes).
-      target: a name of `TARGETS`: ``"h100"``, ``"h100x8"``, ``"v5e"``,
+      target: a name of `TARGETS`: ``"h100"``, ``"h100x4"``, ``"h100x8"``, ``"v5e"``,
         ``"v5e:2x2"`` or ``"colab_tpu"``.
       specs: one ``PartitionSpec`` (or a pytree prefix of them) per argument
         over the mesh; ``None`` (the default) replicates every argument.
@@ -139,6 +141,9 @@ def compile_for(
         host-memory argument the step is lowered on a mesh of as many CPU
         devices (``jax_num_cpu_devices``) for the target's platform and that
         program compiled by the target's compiler.
+      axis_types: the mesh's ``jax.sharding.AxisType`` per axis (default:
+        ``Auto``); a step that reads the mesh (``jax.set_mesh``) needs the
+        same mesh, from `target_mesh`.
 
     Returns:
       A `Compiled`: the program, the compiler that made it and the mesh.
@@ -148,7 +153,7 @@ def compile_for(
       ImportError: where the target's compiler (the ``compilers`` extra) is
         not installed.
     """
-    mesh = target_mesh(target, axis_names, mesh_shape)
+    mesh = target_mesh(target, axis_names, mesh_shape, axis_types)
     specs = _per_argument(specs, args, "specs")
     kinds = _per_argument(memory_kinds, args, "memory_kinds")
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
@@ -170,11 +175,12 @@ def target_mesh(
     target: str,
     axis_names: tuple[str, ...] = ("data",),
     mesh_shape: tuple[int, ...] | None = None,
+    axis_types: tuple[Any, ...] | None = None,
 ) -> Mesh:
-    """A mesh over ``target``'s devices (default: all on one axis)."""
+    """A mesh over ``target``'s devices (default: all on one axis, ``Auto``)."""
     devices = _devices(_checked(target))
     shape = (len(devices),) if mesh_shape is None else tuple(mesh_shape)
-    return Mesh(_reshape(devices, shape), axis_names)
+    return Mesh(_reshape(devices, shape), axis_names, axis_types=axis_types)
 
 
 def compiler(target: str) -> str:
@@ -288,7 +294,9 @@ def _place(arg: Any, spec: Any, mesh: Mesh, kind: Any = None) -> Any:
     kinds = _broadcast(kind, arg)
     return jax.tree.map(
         lambda a, s, k: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=NamedSharding(mesh, s, memory_kind=k)
+            a.shape,
+            a.dtype,
+            sharding=NamedSharding(mesh, s or PartitionSpec(), memory_kind=k),
         ),
         arg,
         specs,
@@ -322,7 +330,11 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
             f"on {n} CPU devices; there are {len(cpus)}: set "
             f'jax.config.update("jax_num_cpu_devices", {n}) before JAX starts.'
         )
-    cpu_mesh = Mesh(np.asarray(cpus[:n]).reshape(mesh.devices.shape), mesh.axis_names)
+    cpu_mesh = Mesh(
+        np.asarray(cpus[:n]).reshape(mesh.devices.shape),
+        mesh.axis_names,
+        axis_types=mesh.axis_types,
+    )
     placed = [
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]

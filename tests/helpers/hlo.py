@@ -158,6 +158,8 @@ _ARRAY = re.compile(r"\b(pred|[a-z]+)(\d*)\[([\d,]*)\]")
 def payload_bytes(line: str) -> int:
     """Bytes of an instruction's result (all arrays of a tuple result)."""
     rest = line.split("=", 1)[1].strip() if "=" in line else ""
+    # Layouts go first: XLA:TPU's hold parentheses (``{1,0:T(8,128)S(1)}``).
+    rest = re.sub(r"\{[^{}]*\}", "", rest)
     # A tuple result reads up to its closing paren, an array up to the op's.
     result = rest.split(")", 1)[0] if rest.startswith("(") else rest.split("(", 1)[0]
     total = 0
