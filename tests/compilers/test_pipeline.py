@@ -17,7 +17,10 @@ transpose, which XLA:GPU accumulates into the gradient in place (the matmul
 adds into its output); the library's backward computes each tick's gradient
 in the schedule's switch and adds it after, so the tick's gradient and the
 sum are separate buffers. On XLA:TPU and XLA:CPU it is within its floor.
-The design guide says so and recommends 1F1B on GPU.
+The design guide says so and recommends 1F1B on GPU. (Adding each tick's
+gradient inside its own branch, one flat switch, halves it to one buffer,
+but makes XLA:CPU copy the sums on the ticks that add nothing and doubles
+the repeated schedules' temp there: not taken.)
 """
 
 from __future__ import annotations
