@@ -48,7 +48,7 @@ def test_each_target_compiles_and_names_its_compiler(target):
 
 
 def test_an_unknown_target_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"one of \['h100', 'h100x8', 'v5e'"):
+    with pytest.raises(ValueError, match=r"one of \['h100', 'h100x4', 'h100x8', 'v5e'"):
         _targets.compile_for(_matmul, jnp.ones((2, 2)), jnp.ones((2, 2)), target="a100")
 
 
