@@ -52,6 +52,20 @@ def pin_to_iteration(args: Sequence[Any], i: jax.Array) -> list[Any]:
     return held
 
 
+def after(values: Any, ready: Any) -> tuple[Any, Any]:
+    """``(values, ready)`` through one optimization barrier: what reads the
+    returned ``values`` waits for ``ready``.
+
+    `offload` brings the optimizer's state to the device for the update. In a
+    fused step (a micro-batch loop, then the update) XLA:GPU's scheduler
+    starts that move before the loop, so the state sat in device memory
+    through it and offload saved nothing. Tied to the gradients (``ready``),
+    the move cannot start before the loop has made them. Guarded by
+    ``tests/compilers/test_offload_fused.py``.
+    """
+    return lax.optimization_barrier((values, ready))
+
+
 def gather_once(args: Sequence[Any], axes: Sequence[str]) -> list[Any]:
     """``args`` gathered over the mesh ``axes`` now, ahead of a loop.
 

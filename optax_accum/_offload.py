@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _sharding
+from . import _compiler, _sharding
 
 # The memory kinds a jitted program can name (``jax.memory.Space``).
 _SPACES = {
@@ -190,6 +190,9 @@ def offload(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         with jax.named_scope("optax_accum/offload"):
+            # The move waits for the gradients (XLA:GPU would start it
+            # before a fused step's micro-batch loop: `_compiler.after`).
+            state, updates = _compiler.after(state, updates)
             state = _move(state, jax.memory.Space.Device)
             updates, state = inner.update(updates, state, params, **extra_args)
             return updates, _move(state, space)
