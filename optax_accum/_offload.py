@@ -115,7 +115,9 @@ def offload(
 
     Inside `accumulate` or `MultiSteps`, ``inner`` runs only in the boundary
     branch, so the state moves once per window; in a fused step
-    (`microbatch_value_and_grad` then ``tx.update``) once per step.
+    (`microbatch_value_and_grad` then ``tx.update``) once per step, and
+    only once the gradients are made: XLA:GPU would otherwise bring it in
+    before the micro-batch loop (`_compiler.after`).
     ``optax.MultiSteps`` cannot hold it: it picks the new or the old state
     with ``jnp.where``, on the device, and its ``lax.cond`` then rejects a
     branch that returns the state in device memory next to one that keeps
