@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _sharding
 from ._dtypes import is_float0
 from ._sharding import broadcast
 
@@ -49,6 +50,50 @@ def pin_to_iteration(args: Sequence[Any], i: jax.Array) -> list[Any]:
     """
     held, _ = lax.optimization_barrier((list(args), i))
     return held
+
+
+def after(values: Any, ready: Any) -> tuple[Any, Any]:
+    """``(values, ready)`` through one optimization barrier: what reads the
+    returned ``values`` waits for ``ready``.
+
+    `offload` brings the optimizer's state to the device for the update. In a
+    fused step (a micro-batch loop, then the update) XLA:GPU's scheduler
+    starts that move before the loop, so the state sat in device memory
+    through it and offload saved nothing. Tied to the gradients (``ready``),
+    the move cannot start before the loop has made them. Guarded by
+    ``tests/compilers/test_offload_fused.py``. Where the update itself is
+    differentiated, no barrier: its transpose cannot type a cotangent in
+    host memory (JAX 0.10).
+    """
+    if _differentiated((values, ready)):
+        return values, ready
+    return lax.optimization_barrier((values, ready))
+
+
+def gather_once(args: Sequence[Any], axes: Sequence[str]) -> list[Any]:
+    """``args`` gathered over the mesh ``axes`` now, ahead of a loop.
+
+    XLA:CPU hoists an FSDP parameter's loop-invariant all-gather out of the
+    micro-batch loop by itself; XLA:GPU keeps it in the loop, one gather per
+    micro-batch. Each leaf of ``args`` that an Explicit mesh shards over
+    ``axes`` is resharded without them here, so the gather runs once, before
+    the loop, on every compiler; the optimization barrier keeps XLA from
+    moving it back into the loop. Leaves not sharded over ``axes`` pass as
+    they are. Guarded by ``tests/compilers/test_param_gather.py``.
+    """
+    drop = set(axes)
+
+    def gather(x):
+        spec = _sharding.explicit_spec(x)
+        if not _sharding.used_axes(spec) & drop:
+            return x
+        entries = [
+            tuple(a for a in _sharding.axes_of(e) if a not in drop) or None
+            for e in spec.partitions
+        ]
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*entries))
+
+    return lax.optimization_barrier(jax.tree.map(gather, list(args)))
 
 
 def boundary_cond(

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _sharding
+from . import _compiler, _sharding
 
 # The memory kinds a jitted program can name (``jax.memory.Space``).
 _SPACES = {
@@ -115,7 +115,9 @@ def offload(
 
     Inside `accumulate` or `MultiSteps`, ``inner`` runs only in the boundary
     branch, so the state moves once per window; in a fused step
-    (`microbatch_value_and_grad` then ``tx.update``) once per step.
+    (`microbatch_value_and_grad` then ``tx.update``) once per step, and
+    only once the gradients are made: XLA:GPU would otherwise bring it in
+    before the micro-batch loop (`_compiler.after`).
     ``optax.MultiSteps`` cannot hold it: it picks the new or the old state
     with ``jnp.where``, on the device, and its ``lax.cond`` then rejects a
     branch that returns the state in device memory next to one that keeps
@@ -190,6 +192,9 @@ def offload(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         with jax.named_scope("optax_accum/offload"):
+            # The move waits for the gradients (XLA:GPU would start it
+            # before a fused step's micro-batch loop: `_compiler.after`).
+            state, updates = _compiler.after(state, updates)
             state = _move(state, jax.memory.Space.Device)
             updates, state = inner.update(updates, state, params, **extra_args)
             return updates, _move(state, space)

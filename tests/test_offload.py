@@ -356,6 +356,24 @@ def test_fused_step_moves_the_state_once_per_step_and_equals_plain():
     ) == (n, n)
 
 
+def test_update_differentiates_as_the_plain_optimizer_does():
+    # The move waits for the gradients behind a barrier (`_compiler.after`),
+    # except under differentiation: its transpose cannot type a cotangent in
+    # host memory.
+    params = layouts.params()
+
+    def grads_of(tx):
+        state = tx.init(params)
+        total = lambda g: sum(jnp.sum(u) for u in jax.tree.leaves(
+            tx.update(g, state, params)[0]))  # fmt: skip
+        return jax.jit(jax.grad(total))(params)
+
+    plain = grads_of(optax.adamw(1e-2))
+    offl = grads_of(optax_accum.offload(optax.adamw(1e-2)))
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(offl), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _planned(offloaded, fused, budget):
     def loss(w, x):
         return jnp.mean(jnp.tanh(x @ w) ** 2)

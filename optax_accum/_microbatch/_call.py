@@ -132,6 +132,24 @@ def pinned(args: list, opts: Options) -> bool:
     return _sharding.gathers_params(batch, others)
 
 
+def gathered(args: list, opts: Options) -> list:
+    """``args`` with, for ``param_gather="once"``, the arguments that are not
+    the batch gathered over the batch's mesh axes before the loop
+    (`_compiler.gather_once`): ``fun`` then gets the whole parameters, and
+    XLA:GPU, which keeps a loop-invariant gather in the loop, gathers once."""
+    if opts.param_gather != "once":
+        return args
+    axes = _sharding.row_axes([args[i] for i in opts.batch_idx])
+    fixed = [j for j in range(len(args)) if j not in opts.batch_idx]
+    if not axes or not fixed:
+        return args
+    margs = list(args)
+    held = _compiler.gather_once([args[j] for j in fixed], sorted(axes))
+    for j, x in zip(fixed, held, strict=True):
+        margs[j] = x
+    return margs
+
+
 def microbatch_args(
     args: list, batch_views: dict, i: Any, opts: Options, ctx: Context, pin: bool
 ) -> list:

@@ -35,7 +35,16 @@ from jax import lax
 from .. import _devices, _dtypes, _sharding, _weights
 from .. import _noise_scale as ns
 from .._loss_scale import ScaledGrads
-from ._call import Call, forward, microbatch_args, pinned, run, views, weights
+from ._call import (
+    Call,
+    forward,
+    gathered,
+    microbatch_args,
+    pinned,
+    run,
+    views,
+    weights,
+)
 from ._layout import canonical_convolutions, split_arrays
 from ._options import Context, Options
 
@@ -144,11 +153,15 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
         ws = weights(batch_views, opts, _dtypes.weight_dtype(shapes.grads))
     how = plan(ws, shapes, opts, ctx)
     skips = _skips(how, shapes, opts, ctx, args)
+    looped = gathered(args, opts)  # param_gather="once": gathered here
 
     def step(carry: Carry, margs: list, i: jax.Array, selected: bool):
         seed = how.multipliers[i] if how.in_backward else None
         out = run(fun, margs, kwargs, carry.state, opts, seed)
-        out = out._replace(grads=_dtypes.without_float0(out.grads))
+        grads = _dtypes.without_float0(out.grads)
+        if looped is not args:  # back to the parameters' sharding
+            grads = _sharding.reshard_like(grads, shapes.grads)
+        out = out._replace(grads=grads)
         rows = _rows(margs, opts)
         return _add(carry, out, i, how, opts, ctx, rows, selected), out.aux
 
@@ -166,7 +179,7 @@ def scan(fun, args: list, kwargs: dict, state: Any, opts: Options, ctx: Context)
     skip_relaid = canonical_convolutions(skip)
 
     def body(carry: Carry, i: jax.Array):
-        margs = microbatch_args(args, batch_views, i, opts, ctx, pin)
+        margs = microbatch_args(looped, batch_views, i, opts, ctx, pin)
         if not skips:
             return compute(carry, margs, i)
         real = jnp.asarray(how.weights)[i] > 0

@@ -151,8 +151,10 @@ def microbatch(
     promises (``param_gather="per_microbatch"``, the default under an
     Explicit mesh when a parameter is sharded so): the loop's inputs pass an
     optimization barrier, so XLA cannot hoist the gathers out of the loop
-    and keep every gathered weight resident. ``param_gather="once"`` lets it:
-    one gather per step, the whole gathered model in memory.
+    and keep every gathered weight resident. ``param_gather="once"`` gathers
+    them before the loop instead (XLA:GPU would keep the gather in the loop
+    by itself): one gather per step, the whole gathered model in memory, and
+    each micro-batch's gradients resharded like the parameters.
 
     Args:
       fun: a value-and-grad function, e.g. ``jax.value_and_grad(loss)``.

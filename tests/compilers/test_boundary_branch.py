@@ -17,6 +17,7 @@ into ``apply_updates``).
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,50 @@ def test_offloaded_state_stays_on_the_host_and_is_not_copied(target):
     work = _inner_work(comps)
     assert work and work <= _behind_branches(comps), work
     assert _hlo.large_copies(comps) == []
+    host_copies = [ln for ls in comps.values() for ln in ls if _host_copy(ln)]
+    assert host_copies == [], host_copies[:3]
+
+
+@functools.cache
+def _offload_step(offloaded: bool, rows: int) -> _targets.Compiled:
+    """`accumulate`'s micro-step on an H100, the inner state in host memory
+    or not, params and state donated."""
+    adam = optax.adam(1e-3)
+    tx = optax_accum.accumulate(optax_accum.offload(adam) if offloaded else adam, 4)
+    params = _params()
+    state = jax.eval_shape(tx.init, params)
+    kinds = None
+    if offloaded:
+        host = jax.tree.map(lambda _: None, state)._replace(
+            inner_state=jax.tree.map(lambda _: "pinned_host", state.inner_state)
+        )
+        kinds = (None, host, None, None)
+
+    def step(params, state, x, y):
+        grads = jax.grad(mlp_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jax.ShapeDtypeStruct((rows, SIZES[0]), jnp.float32)
+    y = jax.ShapeDtypeStruct((rows, SIZES[-1]), jnp.float32)
+    return _targets.compile_for(
+        step, params, state, x, y, target="h100", donate_argnums=(0, 1),
+        memory_kinds=kinds,
+    )  # fmt: skip
+
+
+def test_offload_saves_device_memory_where_the_micro_batch_dominates_on_gpu():
+    """Where the backward pass sets the peak (a micro-batch of 1,024 rows), the
+    offloaded step's device peak is the plain one's less Adam's moments. Where
+    the update sets it (4 rows), offload costs more: the moments come in and
+    the new ones go out at once (6.1 against 5.3 MB here)."""
+    require("h100")
+    leaves = jax.tree.leaves(_params())
+    moments = 2 * sum(np.prod(p.shape) * 4 for p in leaves)
+    offloaded, plain = _offload_step(True, 1024).memory(), _offload_step(False, 1024)
+    assert offloaded.peak <= plain.memory().peak - moments * 3 // 4, (offloaded, plain)
+
+
+def _host_copy(line: str) -> bool:
+    """A copy of any size into host memory (an ``S(5)`` layout)."""
+    return bool(re.search(r"S\(5\)\} copy\(", line))
