@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import _targets
@@ -52,7 +54,7 @@ def _peak(target, m):
     """The fused step at micro-batch ``m``, compiled for ``target`` on its own."""
     compiled = _targets.compile_for(
         _make_step(TARGET // m), PARAMS, TX.init(PARAMS), _batch(TARGET),
-        target=target, specs=(None, None, jax.sharding.PartitionSpec("data")),
+        target=target, specs=(None, None, P("data")),
     )  # fmt: skip
     return compiled.memory().peak
 
@@ -118,3 +120,44 @@ def test_a_budget_over_the_targets_memory_gives_both_numbers():
             _make_step, PARAMS, TX.init(PARAMS), EXAMPLE, TARGET,
             memory_budget=20_000_000_000, target="v5e",
         )  # fmt: skip
+
+
+def test_sharded_parameters_keep_their_layout_on_the_target():
+    """Parameters sharded over 8 CPU devices: planned for 8 H100s on a mesh
+    of that shape, each device holding its shard of them and of Adam's
+    moments; a topology's devices plan as its name does."""
+    require("h100x8")
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
+    spec = {"w1": P(None, "data"), "w2": P("data", None)}
+    params = jax.device_put(
+        PARAMS, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+    )
+    opt_state = TX.init(params)
+    plans = [
+        optax_accum.plan_fused_step(
+            _make_step,
+            params,
+            opt_state,
+            EXAMPLE,
+            TARGET,
+            memory_budget=10**9,
+            multiple_of=8,
+            target=target,
+        )
+        for target in ("h100x8", _targets.target_devices("h100x8"))
+    ]
+    state_specs = jax.tree.map(
+        lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(),
+        opt_state,
+    )
+
+    def peak(specs):
+        compiled = _targets.compile_for(
+            _make_step(1), params, opt_state, _batch(TARGET), target="h100x8",
+            specs=(*specs, P("data")),
+        )  # fmt: skip
+        return compiled.memory().peak
+
+    assert plans[0].microbatch_size == TARGET
+    assert plans[0].memory_bytes == plans[1].memory_bytes
+    assert plans[0].memory_bytes == peak((spec, state_specs)) < peak((None, None))
