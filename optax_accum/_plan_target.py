@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -130,12 +131,15 @@ def for_target(target: Any, state: Any) -> Compiler:
         specs = [jax.tree.map(_spec, a) for a in args[:-1]]
         kinds = [jax.tree.map(_host_kind, a) for a in args[:-1]]
         host = any("pinned_host" in jax.tree.leaves(k) for k in kinds)
-        compiled = _targets.compile_for(
-            step, *args, target=target, axis_names=axis_names, mesh_shape=shape,
-            specs=[*specs, PartitionSpec(axis_names)],
-            memory_kinds=[*kinds, None] if host else None,
-        )  # fmt: skip
         note = "memory_analysis splits host memory off" if host else ""
+        try:
+            compiled = _targets.compile_for(
+                step, *args, target=target, axis_names=axis_names,
+                mesh_shape=shape, specs=[*specs, PartitionSpec(axis_names)],
+                memory_kinds=[*kinds, None] if host else None,
+            )  # fmt: skip
+        except jax.errors.JaxRuntimeError as e:
+            return _refused(e, memory), note
         return compiled.memory().peak, note
 
     memory = _targets.device_memory(target)
@@ -150,6 +154,17 @@ def for_target(target: Any, state: Any) -> Compiler:
         target=target,
         batch_devices=len(devices),
     )
+
+
+def _refused(error: Exception, memory: int | None) -> int:
+    """The bytes a program needs that XLA:TPU refused to compile, as too large
+    for the device: the temporaries its error names (a lower bound)."""
+    text = str(error)
+    if not text.startswith("RESOURCE_EXHAUSTED"):
+        raise error
+    found = re.search(r"required for HLO temporaries \(([\d.]+)G\)", text)
+    needed = int(float(found.group(1)) * 2**30) if found else 0
+    return max(needed, (memory or 0) + 1)
 
 
 def _mesh_of(tree: Any) -> Any:

@@ -32,7 +32,9 @@ class MicrobatchPlan(NamedTuple):
       next_microbatch_size: the next candidate size up, or None if the
         chosen size is the largest candidate.
       next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
-        budget), or None.
+        budget), or None. Where XLA:TPU refuses to compile it for a
+        ``target`` as larger than the device, the temporaries its error
+        names (a lower bound).
       num_compilations: how many sizes were compiled.
       offloaded_bytes: bytes per device of the step's arguments kept in host
         memory (an `offload` ed optimizer state, whether passed as

@@ -31,7 +31,7 @@ def _plan(**kwargs):
 
 
 def _v5e(n):
-    """A fake topology of ``n`` TPU v5e chips (16 GiB each)."""
+    """A fake topology of ``n`` TPU v5e chips (15.75 GiB each)."""
     chip = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
     return SimpleNamespace(devices=[chip] * n)
 
@@ -70,7 +70,7 @@ def test_a_missing_compiler_names_the_extra(monkeypatch):
 
 
 def test_a_budget_over_the_targets_memory_gives_both_numbers(fake_compiler):
-    with pytest.raises(ValueError, match=r"20,000,000,000 bytes .* 17,179,869,184"):
+    with pytest.raises(ValueError, match=r"20,000,000,000 bytes .* 16,911,433,728"):
         _plan(memory_budget=20_000_000_000, target=_v5e(1))
 
 
