@@ -89,3 +89,15 @@ def test_a_topology_of_unknown_memory_needs_a_budget(fake_compiler):
     chip = SimpleNamespace(platform="tpu", device_kind="TPU v9")
     with pytest.raises(ValueError, match="`memory_budget` is required for `target`"):
         _plan(target=[chip])
+
+
+def test_parameters_on_a_mesh_need_a_target_of_as_many_devices(fake_compiler):
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    w = jax.device_put(
+        W, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    with pytest.raises(ValueError, match=r"mesh of 8 devices .* has 4: plan"):
+        optax_accum.plan_microbatch(
+            STEP, w, None, EXAMPLE, 16, memory_budget=10**9, target=_v5e(4),
+            multiple_of=4,
+        )  # fmt: skip
