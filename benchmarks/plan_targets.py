@@ -70,9 +70,15 @@ def make_step(k):
 def plan(target=None, memory_budget=None):
     """`plan_fused_step` for ``target`` (None: this machine's CPU)."""
     return optax_accum.plan_fused_step(
-        make_step, params, opt_state, example, BATCH, multiple_of=MULTIPLE,
-        memory_budget=memory_budget, target=target,
-    )  # fmt: skip
+        make_step,
+        params,
+        opt_state,
+        example,
+        BATCH,
+        multiple_of=MULTIPLE,
+        memory_budget=memory_budget,
+        target=target,
+    )
 
 
 def rows() -> list[dict]:
