@@ -10,7 +10,9 @@ step against ``optax.MultiSteps``'s. Each is compiled (not run) for the CPU,
 an H100 and a TPU v5e chip (``optax_accum._targets``, the ``compilers``
 extra, no device needed); memory is device memory, ``argument + output -
 alias + temp`` read alike on each compiler, and each ratio is against the
-anchor in the same compiler. Time stays a CPU ratio
+anchor in the same compiler. With `offload` (AdamW's state in host memory
+between updates, lowered there for each compiler), the device peak is read
+against the same step without it. Time stays a CPU ratio
 (``bench_transformer.py``): a compile gives no time on hardware.
 
 Run ``python benchmarks/memory_targets.py``; it writes
@@ -34,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_compilers import compile_on  # noqa: E402
 from transformer.steps import Key, gpt, init_state, step_fn  # noqa: E402
 
-from optax_accum import _targets  # noqa: E402
+from optax_accum import _offload, _plan_target, _targets  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MiB = 2**20
@@ -42,8 +44,14 @@ MICRO = 2
 STEPS = [  # (mode, k), and the anchor each is read against
     ("scan", 4), ("microbatch", 4), ("scan", 16), ("microbatch", 16),
     ("multisteps", 16), ("accumulate", 16),
+    ("microbatch+offload", 16), ("accumulate+offload", 16),
 ]  # fmt: skip
-ANCHOR = {"microbatch": "scan", "accumulate": "multisteps"}
+ANCHOR = {
+    "microbatch": "scan",
+    "accumulate": "multisteps",
+    "microbatch+offload": "microbatch",
+    "accumulate+offload": "accumulate",
+}
 
 
 def _args(key: Key, cfg):
@@ -54,6 +62,23 @@ def _args(key: Key, cfg):
     return fn, (params, state, batch)
 
 
+def _offloaded(where: str, key: Key, cfg) -> tuple[int, int]:
+    """(temp, peak) of a step whose AdamW state is in host memory, measured
+    as the planner measures it: the state placed by `offload` (in host
+    memory) here, and kept there for the target (`_plan_target`)."""
+    fn, kind = step_fn(key, cfg)
+    params = gpt.init_params(cfg)
+    state = jax.tree.map(_offload.abstract, (params, init_state(kind, params)))
+    batch = jax.eval_shape(lambda: gpt.random_batch(jax.random.key(0), cfg, key.rows))
+    step = jax.jit(fn, donate_argnums=key.donated)
+    if where == "cpu":
+        compiler = _plan_target.here()
+    else:
+        compiler = _plan_target.for_target(where, state)
+    peak, _ = compiler.measure(step, (*state, batch))
+    return -1, peak  # temp: not split from the host buffers on every compiler
+
+
 def measure() -> dict:
     cfg = gpt.preset("cpu_small")
     compilers = ["cpu"] + [t for t in ("h100", "v5e") if _targets.available(t)]
@@ -61,9 +86,11 @@ def measure() -> dict:
     for mode, k in STEPS:
         row = {"mode": mode, "k": k}
         for where in compilers:
-            _, (temp, peak) = compile_on(
-                where, *_args(Key(mode, "none", "f32", k, MICRO), cfg)
-            )
+            key = Key(mode, "none", "f32", k, MICRO)
+            if mode.endswith("+offload"):
+                temp, peak = _offloaded(where, key, cfg)
+            else:
+                _, (temp, peak) = compile_on(where, *_args(key, cfg))
             row[where] = {"temp": temp, "peak": peak}
             print(mode, k, where, peak, flush=True)
         rows.append(row)
@@ -92,8 +119,10 @@ def main() -> None:
         "# The transformer's memory on three compilers\n\n"
         "`python benchmarks/memory_targets.py`: `examples/gpt.py` cpu_small, "
         f"AdamW, f32, micro-batches of {MICRO} sequences, compiled (not run); "
-        "ratio: against `lax.scan` (fused) or `optax.MultiSteps` (accumulate) "
-        "in the same compiler.\n\n" + markdown(data)
+        "ratio: against `lax.scan` (fused) or `optax.MultiSteps` (accumulate), "
+        "and with `offload` against the same step without it, in the same "
+        "compiler. Device memory only: an offloaded state's host buffers are "
+        "left out.\n\n" + markdown(data)
     )
     (RESULTS / "memory_targets.md").write_text(text)
     print(text)
