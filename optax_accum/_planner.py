@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from . import _checks, _offload
+from . import _checks, _offload, _plan_target
 
 
 class MicrobatchPlan(NamedTuple):
@@ -32,7 +32,9 @@ class MicrobatchPlan(NamedTuple):
       next_microbatch_size: the next candidate size up, or None if the
         chosen size is the largest candidate.
       next_memory_bytes: the estimate for ``next_microbatch_size`` (over the
-        budget), or None.
+        budget), or None. Where XLA:TPU refuses to compile it for a
+        ``target`` as larger than the device, the temporaries its error
+        names (a lower bound).
       num_compilations: how many sizes were compiled.
       offloaded_bytes: bytes per device of the step's arguments kept in host
         memory (an `offload` ed optimizer state, whether passed as
@@ -42,6 +44,8 @@ class MicrobatchPlan(NamedTuple):
         analysis's own host split, or, on a backend without one (CPU, where
         host and device share memory), by the state's own bytes; empty
         without an offloaded state.
+      compiler: the compiler that compiled the candidates, and for what
+        devices: this machine's, or the ``target``'s.
     """
 
     microbatch_size: int
@@ -54,6 +58,7 @@ class MicrobatchPlan(NamedTuple):
     num_compilations: int
     offloaded_bytes: int = 0
     memory_note: str = ""
+    compiler: str = ""
 
 
 def compiled_memory_bytes(compiled: Any) -> int:
@@ -80,24 +85,8 @@ def compiled_memory_bytes(compiled: Any) -> int:
       >>> optax_accum.compiled_memory_bytes(compiled)  # 1 KiB in, 1 KiB out
       2048
     """
-    stats = compiled.memory_analysis()
-    if stats is None:
-        raise RuntimeError(
-            "This backend reports no memory analysis for compiled executables, "
-            "so the micro-batch size cannot be planned ahead of time."
-        )
+    _plan_target.analysed(compiled)
     return _offload.device_bytes(compiled)[0]
-
-
-def _default_budget(device: Any) -> int:
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(
-            f"`memory_budget` is required on {device.platform} device {device}: "
-            "it reports no memory statistics, so its free memory is unknown. "
-            "Pass the budget in bytes, e.g. memory_budget=4 * 2**30."
-        )
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
 def _candidates(
@@ -122,6 +111,7 @@ def plan_microbatch(
     multiple_of: int = 1,
     divisors_only: bool = True,
     device: Any = None,
+    target: Any = None,
 ) -> MicrobatchPlan:
     """Finds the largest micro-batch size whose compiled step fits in memory.
 
@@ -177,13 +167,32 @@ def plan_microbatch(
       divisors_only: only consider sizes that divide the target.
       device: the device whose free memory is the default budget, default
         ``jax.devices()[0]``.
+      target: plan for hardware this machine does not have: a name
+        (``"h100"``, ``"h100x8"``, ``"v5e"``, ``"v5e:2x2"``, ``"colab_tpu"``)
+        or a ``jax.experimental.topologies`` topology (or its devices). Each
+        candidate is compiled by the target's compiler (XLA:GPU, XLA:TPU; the
+        ``compilers`` extra) on a mesh over its devices: parameters and state
+        keep their ``PartitionSpec`` (their mesh's shape is the target's
+        mesh's, so it must have as many devices) and host memory
+        (`offload`), and the batch's leading axis is sharded over every mesh
+        axis, so ``multiple_of`` must be a multiple of the target's device
+        count. The default budget is one device's memory (an H100's from its
+        target description, a TPU's from its kind); on a GPU, JAX's allocator
+        takes 75% of it unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says
+        otherwise, so pass that as ``memory_budget`` to plan for a default
+        run. A ``jax.jit`` step is compiled with its own donation; its
+        ``in_shardings`` must not name this machine's devices.
 
     Returns:
       A `MicrobatchPlan`.
 
     Raises:
       ValueError: if no budget is given and the device reports none, if no
-        candidate size exists, or if even the smallest candidate does not fit.
+        candidate size exists, or if even the smallest candidate does not fit;
+        for an unknown ``target`` (naming the known ones), a budget over the
+        target's memory, or both ``device`` and ``target``.
+      ImportError: where ``target``'s compiler (the ``compilers`` extra) is
+        not installed.
       TypeError: for non-integer sizes.
 
     Examples:
@@ -209,7 +218,7 @@ def plan_microbatch(
         max_microbatch_size,
         multiple_of,
         divisors_only,
-        device,
+        _compiler(device, target, (params, opt_state)),
     )
 
 
@@ -224,6 +233,7 @@ def plan_fused_step(
     max_microbatch_size: int | None = None,
     multiple_of: int = 1,
     device: Any = None,
+    target: Any = None,
 ) -> MicrobatchPlan:
     """Plans a fused step: the whole batch in one call, split into ``k`` inside.
 
@@ -253,6 +263,7 @@ def plan_fused_step(
       max_microbatch_size: largest micro-batch size to consider.
       multiple_of: candidate sizes are multiples of this.
       device: the device whose free memory is the default budget.
+      target: plan for another GPU or TPU, as in `plan_microbatch`.
 
     Returns:
       A `MicrobatchPlan`: ``num_microbatches`` is the ``k`` to build the step
@@ -260,6 +271,7 @@ def plan_fused_step(
 
     Raises:
       ValueError: as `plan_microbatch`.
+      ImportError: as `plan_microbatch`.
       TypeError: for a ``make_step`` that is not callable, non-integer sizes.
 
     Examples:
@@ -281,47 +293,51 @@ def plan_fused_step(
             f"`make_step` must be a function of k that returns the step, got "
             f"{make_step!r}."
         )
-    target = _checks.positive_int(target_batch_size, "target_batch_size")
+    total = _checks.positive_int(target_batch_size, "target_batch_size")
 
     def step_at(m: int) -> Any:
-        step = make_step(target // m)
+        step = make_step(total // m)
         if not callable(step):
             raise TypeError(
-                f"`make_step({target // m})` must return the step, got {step!r}."
+                f"`make_step({total // m})` must return the step, got {step!r}."
             )
         return step if hasattr(step, "lower") else jax.jit(step)
 
     return _plan(
         step_at,
-        lambda m: target,
+        lambda m: total,
         (params, opt_state, example),
-        target,
+        total,
         memory_budget,
         max_microbatch_size,
         multiple_of,
         True,  # microbatch splits the batch into k equal parts
-        device,
+        _compiler(device, target, (params, opt_state)),
     )
 
 
 def _plan(
     step_at, rows_at, args, target_batch_size, memory_budget, max_microbatch_size,
-    multiple_of, divisors_only, device,
+    multiple_of, divisors_only, compiler,
 ) -> MicrobatchPlan:  # fmt: skip
     """The checks and the search both planners share.
 
     ``step_at(m)`` is the lowerable step for micro-batch size ``m``, and
-    ``rows_at(m)`` the rows of the batch it is lowered with.
+    ``rows_at(m)`` the rows of the batch it is lowered with; ``compiler`` (a
+    `_plan_target.Compiler`) compiles and measures it.
     """
     target = _checks.positive_int(target_batch_size, "target_batch_size")
     multiple_of = _checks.positive_int(multiple_of, "multiple_of")
     max_size = target
     if max_microbatch_size is not None:
         max_size = _checks.positive_int(max_microbatch_size, "max_microbatch_size")
-    if memory_budget is None:
-        budget = _default_budget(device if device is not None else jax.devices()[0])
-    else:
-        budget = _checks.positive_int(memory_budget, "memory_budget")
+    if multiple_of % compiler.batch_devices:
+        raise ValueError(
+            f"`target`={compiler.target!r} shards the batch over its "
+            f"{compiler.batch_devices} devices: `multiple_of` must be a multiple "
+            f"of {compiler.batch_devices}, got {multiple_of}."
+        )
+    budget = compiler.budget(memory_budget)
     sizes = _candidates(target, max_size, multiple_of, divisors_only)
     if not sizes:
         raise ValueError(
@@ -333,7 +349,7 @@ def _plan(
                 else f"at most `target_batch_size`={target}."
             )
         )
-    estimate = _Estimates(step_at, rows_at, *args)
+    estimate = _Estimates(step_at, rows_at, compiler.measure, *args)
     lo = _largest_fitting(sizes, estimate, budget)
     m = sizes[lo]
     k = math.ceil(target / m)
@@ -349,14 +365,15 @@ def _plan(
         num_compilations=len(estimate.memory),
         offloaded_bytes=estimate.host_state,
         memory_note=estimate.note,
+        compiler=compiler.name,
     )
 
 
 class _Estimates:
     """The compiled step's memory at each micro-batch size, compiled once."""
 
-    def __init__(self, step_at, rows_at, params, opt_state, example):
-        self.step_at, self.rows_at = step_at, rows_at
+    def __init__(self, step_at, rows_at, measure, params, opt_state, example):
+        self.step_at, self.rows_at, self.measure = step_at, rows_at, measure
         # Arrays keep their sharding, so a sharded state is planned per device.
         # So does a state kept in host memory (`offload`).
         self.abstract = jax.tree.map(_offload.abstract, (params, opt_state))
@@ -379,10 +396,20 @@ class _Estimates:
             )
             params, opt_state = self.abstract
             args = (params, opt_state, batch) if self.with_state else (params, batch)
-            compiled = self.step_at(m).lower(*args).compile()
-            compiled_memory_bytes(compiled)  # raises without a memory analysis
-            self.memory[m], self.note = _offload.device_bytes(compiled)
+            self.memory[m], self.note = self.measure(self.step_at(m), args)
         return self.memory[m]
+
+
+def _compiler(device: Any, target: Any, state: Any) -> _plan_target.Compiler:
+    if target is None:
+        return _plan_target.here(device)
+    if device is not None:
+        raise ValueError(
+            "Pass `device` (plan for one of this machine's devices) or `target` "
+            f"(plan for another), not both: got {device!r} and {target!r}."
+        )
+    abstract = jax.tree.map(_offload.abstract, state)
+    return _plan_target.for_target(target, abstract)
 
 
 def _largest_fitting(sizes: list[int], estimate: _Estimates, budget: int) -> int:

@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,6 +64,23 @@ _PLUGINS = {
     "tpu": ("libtpu", "libtpu"),
 }
 
+# A TPU device's HBM by its ``device_kind`` (a topology's devices report no
+# memory statistics): one TensorCore of a v2 or v3 chip, a whole chip from v4.
+_TPU_MEMORY = {
+    "TPU v2": 8 * 2**30,
+    "TPU v3": 16 * 2**30,
+    "TPU v4": 32 * 2**30,
+    # What XLA:TPU gives a program of a v5e's 16 GiB (its out-of-memory
+    # error says "available HBM (15.75G)"), a real v5e's ``bytes_limit``.
+    "TPU v5 lite": 63 * 2**28,
+    "TPU v5": 95 * 2**30,  # v5p
+    "TPU v6 lite": 32 * 2**30,
+}
+
+# A target is a name of `TARGETS`, or a topology (``jax.experimental.
+# topologies.get_topology_desc(...)``, or its devices).
+TargetLike = Any
+
 
 class Memory(NamedTuple):
     """Device bytes of a compiled program, the same quantities on every compiler.
@@ -88,7 +106,7 @@ class Compiled:
     """
 
     program: Any
-    target: str
+    target: TargetLike
     compiler: str
     mesh: Mesh
 
@@ -106,7 +124,7 @@ class Compiled:
             stats = self.program.get_compiled_memory_stats()
         arg, out = stats.argument_size_in_bytes, stats.output_size_in_bytes
         alias, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
-        if TARGETS[self.target].platform == "tpu":
+        if self.mesh.devices.flat[0].platform == "tpu":
             temp = max(temp, stats.peak_memory_in_bytes - (arg + out - alias))
         return Memory(arg, out, alias, temp, arg + out - alias + temp)
 
@@ -114,7 +132,7 @@ class Compiled:
 def compile_for(
     fn: Callable[..., Any],
     *args: Any,
-    target: str,
+    target: TargetLike,
     specs: Sequence[Any] | None = None,
     axis_names: tuple[str, ...] = ("data",),
     mesh_shape: tuple[int, ...] | None = None,
@@ -125,11 +143,14 @@ def compile_for(
     """Compiles ``jax.jit(fn)(*args)`` for ``target``, without its devices.
 
     Args:
-      fn: the function (a training step).
+      fn: the function (a training step); a ``jax.jit``-wrapped one keeps
+        its own settings (donation) where ``donate_argnums`` is not given.
       *args: its arguments: pytrees of ``jax.ShapeDtypeStruct`` or arrays
         (their shapes and dtypes).
-      target: a name of `TARGETS`: ``"h100"``, ``"h100x4"``, ``"h100x8"``, ``"v5e"``,
-        ``"v5e:2x2"`` or ``"colab_tpu"``.
+      target: a name of `TARGETS`: ``"h100"``, ``"h100x4"``, ``"h100x8"``,
+        ``"v5e"``, ``"v5e:2x2"`` or ``"colab_tpu"``; or a topology
+        (``jax.experimental.topologies.get_topology_desc(...)``) or its
+        devices.
       specs: one ``PartitionSpec`` (or a pytree prefix of them) per argument
         over the mesh; ``None`` (the default) replicates every argument.
       axis_names: the mesh's axis names.
@@ -156,7 +177,8 @@ def compile_for(
     mesh = target_mesh(target, axis_names, mesh_shape, axis_types)
     specs = _per_argument(specs, args, "specs")
     kinds = _per_argument(memory_kinds, args, "memory_kinds")
-    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    own = hasattr(fn, "trace") and donate_argnums == ()
+    jitted = fn if own else jax.jit(fn, donate_argnums=donate_argnums)
     if any("pinned_host" in jax.tree.leaves(k) for k in kinds if k is not None):
         program = _compile_via_cpu(jitted, args, specs, kinds, mesh, target)
         return Compiled(program, target, compiler(target), mesh)
@@ -172,32 +194,73 @@ def compile_for(
 
 
 def target_mesh(
-    target: str,
+    target: TargetLike,
     axis_names: tuple[str, ...] = ("data",),
     mesh_shape: tuple[int, ...] | None = None,
     axis_types: tuple[Any, ...] | None = None,
 ) -> Mesh:
     """A mesh over ``target``'s devices (default: all on one axis, ``Auto``)."""
-    devices = _devices(_checked(target))
+    devices = target_devices(target)
     shape = (len(devices),) if mesh_shape is None else tuple(mesh_shape)
     return Mesh(_reshape(devices, shape), axis_names, axis_types=axis_types)
 
 
-def compiler(target: str) -> str:
+def compiler(target: TargetLike) -> str:
     """Which compiler `compile_for` uses for ``target``, and its version."""
-    spec = TARGETS[_checked(target)]
-    kind = _devices(target)[0].device_kind
-    n = len(_devices(target))
-    package = _PLUGINS[spec.platform][1]
-    name = "XLA:GPU" if spec.platform == "cuda" else "XLA:TPU"
+    devices = target_devices(target)
+    platform = _platform(devices)
+    package = _PLUGINS[platform][1]
+    name = "XLA:GPU" if platform == "cuda" else "XLA:TPU"
     version = importlib.metadata.version(package)
-    return f"{name} ({package} {version}) for {n} x {kind}"
+    return f"{name} ({package} {version}) for {len(devices)} x {devices[0].device_kind}"
 
 
-def available(target: str) -> bool:
+def available(target: TargetLike) -> bool:
     """Whether ``target``'s compiler is installed."""
+    if not isinstance(target, str):
+        return True  # a topology's compiler made it
     module = _PLUGINS[TARGETS[_checked(target)].platform][0]
     return _find(module)
+
+
+def device_memory(target: TargetLike) -> int | None:
+    """The bytes of memory of one of ``target``'s devices, or None if unknown.
+
+    A topology's devices report no memory statistics: a GPU's comes from its
+    target description (``device_memory_size``), a TPU's from its kind.
+    """
+    devices = target_devices(target)
+    if _platform(devices) == "tpu":
+        return _TPU_MEMORY.get(devices[0].device_kind)
+    spec = TARGETS.get(target) if isinstance(target, str) else None
+    if spec is None:
+        return None
+    config = (_CONFIGS / spec.config).read_text()
+    found = re.search(r"device_memory_size: (\d+)", config)
+    return int(found.group(1)) if found else None
+
+
+def target_devices(target: TargetLike) -> tuple[Any, ...]:
+    """``target``'s devices: a name's (loading its compiler) or a topology's."""
+    if isinstance(target, str):
+        return _devices(_checked(target))
+    devices = getattr(target, "devices", target)
+    try:
+        devices = tuple(devices)
+    except TypeError:
+        devices = ()
+    if not devices or not all(hasattr(d, "device_kind") for d in devices):
+        raise ValueError(
+            f"`target` must be one of {list(TARGETS)}, a topology or its devices, "
+            f"got {target!r}."
+        )
+    return devices
+
+
+def _platform(devices: Sequence[Any]) -> str:
+    """The `_PLUGINS` platform of ``devices``: a GPU topology's is ``"gpu"``."""
+    platform = devices[0].platform
+    return "cuda" if platform in ("gpu", "cuda") else platform
 
 
 def _checked(target: str) -> str:
@@ -338,7 +401,7 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
     placed = [
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]
-    platform = TARGETS[target].platform
+    platform = _platform(list(mesh.devices.flat))
     lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
     options = jax_compiler.get_compile_options(
         num_replicas=1,
