@@ -115,7 +115,8 @@ def pipeline_args():
 
 def compile_on(target, fn, args, **kw):
     """`_targets.compile_for`, or for ``"cpu"`` the same on this machine's CPU
-    devices: ``(optimized HLO, Memory, mesh)``."""
+    devices (a ``jax.jit`` function keeps its own donation, as there):
+    ``(optimized HLO, Memory, mesh)``."""
     if target != "cpu":
         compiled = _targets.compile_for(fn, *args, target=target, **kw)
         return compiled.as_text(), compiled.memory(), compiled.mesh
@@ -126,10 +127,13 @@ def compile_on(target, fn, args, **kw):
     mesh = Mesh(devices, names, axis_types=kw.get("axis_types"))
     specs = kw.get("specs") or (None,) * len(args)
     placed = [_targets._place(a, s, mesh) for a, s in zip(args, specs, strict=True)]
-    program = (
-        jax.jit(fn, donate_argnums=kw.get("donate_argnums", ()))
-        .trace(*placed).lower().compile()
-    )  # fmt: skip
+    donate = kw.get("donate_argnums", ())
+    jitted = (
+        fn
+        if hasattr(fn, "trace") and not donate
+        else jax.jit(fn, donate_argnums=donate)
+    )
+    program = jitted.trace(*placed).lower().compile()
     m = program.memory_analysis()
     arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
     alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes

@@ -52,6 +52,7 @@ TARGETS = {
     "h100x8": Target("cuda", "1x8x1", "an 8-GPU H100 80GB host", "h100_80gb.txtpb"),
     "v5e": Target("tpu", "v5e:1x1", "one TPU v5e chip", chips_per_host=(1, 1, 1)),
     "v5e:2x2": Target("tpu", "v5e:2x2", "a TPU v5e 2x2 slice (4 chips)"),
+    "v5e:2x4": Target("tpu", "v5e:2x4", "a TPU v5e 2x4 slice (8 chips)"),
     # Colab's TPU runtime is a v5e-1, one chip (the v2-8 is retired).
     "colab_tpu": Target(
         "tpu", "v5e:1x1", "Colab's TPU runtime (v5e-1)", chips_per_host=(1, 1, 1)
@@ -148,7 +149,7 @@ def compile_for(
       *args: its arguments: pytrees of ``jax.ShapeDtypeStruct`` or arrays
         (their shapes and dtypes).
       target: a name of `TARGETS`: ``"h100"``, ``"h100x4"``, ``"h100x8"``,
-        ``"v5e"``, ``"v5e:2x2"`` or ``"colab_tpu"``; or a topology
+        ``"v5e"``, ``"v5e:2x2"``, ``"v5e:2x4"`` or ``"colab_tpu"``; or a topology
         (``jax.experimental.topologies.get_topology_desc(...)``) or its
         devices.
       specs: one ``PartitionSpec`` (or a pytree prefix of them) per argument

@@ -19,7 +19,15 @@ from optax_accum import _targets
 from .conftest import require
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
-DEVICES = {"h100": 1, "h100x4": 4, "h100x8": 8, "v5e": 1, "v5e:2x2": 4, "colab_tpu": 1}
+DEVICES = {
+    "h100": 1,
+    "h100x4": 4,
+    "h100x8": 8,
+    "v5e": 1,
+    "v5e:2x2": 4,
+    "v5e:2x4": 8,
+    "colab_tpu": 1,
+}
 
 
 def _matmul(a, b):
