@@ -168,9 +168,25 @@ def _at_most_once(pred, boundary, hold, ops, carried):
     return rebuild(dynamic)
 
 
+_DIFFERENTIATING = ("JVPTrace", "LinearizeTrace")
+
+
 def _differentiated(tree: Any) -> bool:
-    """Whether ``tree`` is being differentiated (forward or reverse mode)."""
-    return any(
+    """Whether ``tree`` may be differentiated (forward or reverse mode): one
+    of its leaves is a JVP tracer, or a JVP trace is anywhere below the
+    current one (``jax.grad`` of a ``jax.vmap`` or of a ``jax.jit``, whose
+    tracers are the batch's or the jaxpr's). A false positive costs only the
+    GPU's structure, never the values."""
+    if any(
         type(x).__name__ in ("JVPTracer", "LinearizeTracer")
         for x in jax.tree.leaves(tree)
-    )
+    ):
+        return True
+    from jax._src import core  # the trace stack; no public reader
+
+    trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
+    while trace is not None:
+        if type(trace).__name__ in _DIFFERENTIATING:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
