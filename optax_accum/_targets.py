@@ -164,8 +164,9 @@ def compile_for(
         devices (``jax_num_cpu_devices``) for the target's platform and that
         program compiled by the target's compiler.
       axis_types: the mesh's ``jax.sharding.AxisType`` per axis (default:
-        ``Auto``); a step that reads the mesh (``jax.set_mesh``) needs the
-        same mesh, from `target_mesh`.
+        ``Auto``). The step is traced with that mesh set (``jax.set_mesh``),
+        whatever mesh the caller has set: a step that reads the mesh (an
+        Explicit ``reshard``, a ``shard_map`` without one) reads the target's.
 
     Returns:
       A `Compiled`: the program, the compiler that made it and the mesh.
@@ -190,7 +191,8 @@ def compile_for(
         warnings.filterwarnings(
             "ignore", "Error reading persistent compilation cache", UserWarning
         )
-        program = jitted.trace(*placed).lower().compile()
+        with jax.set_mesh(mesh):  # a step that reads the mesh reads this one
+            program = jitted.trace(*placed).lower().compile()
     return Compiled(program, target, compiler(target), mesh)
 
 
@@ -403,7 +405,8 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]
     platform = _platform(list(mesh.devices.flat))
-    lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
+    with jax.set_mesh(cpu_mesh):
+        lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
     options = jax_compiler.get_compile_options(
         num_replicas=1,
         num_partitions=n,

@@ -154,7 +154,9 @@ def microbatch(
     and keep every gathered weight resident. ``param_gather="once"`` gathers
     them before the loop instead (XLA:GPU would keep the gather in the loop
     by itself): one gather per step, the whole gathered model in memory, and
-    each micro-batch's gradients resharded like the parameters.
+    each micro-batch's gradients resharded like the parameters. ``fun`` then
+    receives every argument sharded over the batch's axes gathered: a loss
+    that gathers its own shards (a ``shard_map`` over them) keeps the default.
 
     Args:
       fun: a value-and-grad function, e.g. ``jax.value_and_grad(loss)``.

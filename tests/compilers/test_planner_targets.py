@@ -181,3 +181,45 @@ def test_a_size_xla_tpu_refuses_to_compile_does_not_fit():
     batch = jax.ShapeDtypeStruct((plan.next_microbatch_size, 256), jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         _targets.compile_for(jax.value_and_grad(loss), w, batch, target="v5e")
+
+
+@pytest.mark.parametrize("where", ["inside jax.set_mesh", "outside"])
+def test_a_step_that_reshards_on_an_explicit_mesh_plans_for_the_target(where):
+    """An FSDP loss that gathers its weights itself (``reshard``) reads the
+    mesh it is traced under: the planner traces it under the target's mesh,
+    with the parameters' axis types, whatever mesh the caller has set."""
+    require("h100x8")
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
+    w = jax.device_put(jnp.zeros((256, 256)), NamedSharding(mesh, P("data", None)))
+    state = optax.adam(1e-3).init(w)
+
+    def make_step(k):
+        loss = lambda w, x: jnp.mean(jnp.tanh(x @ jax.sharding.reshard(w, P())) ** 2)
+        grad_fn = optax_accum.microbatch_value_and_grad(loss, k)
+
+        def step(w, s, x):
+            updates, s = optax.adam(1e-3).update(grad_fn(w, x)[1], s, w)
+            return optax.apply_updates(w, updates), s
+
+        return step
+
+    def plan():
+        return optax_accum.plan_fused_step(
+            make_step, w, state, jnp.zeros(256), 256, target="h100x8",
+            multiple_of=8, memory_budget=10**8,
+        )  # fmt: skip
+
+    if where == "outside":
+        got = plan()
+    else:
+        with jax.set_mesh(mesh):
+            got = plan()
+    specs = jax.tree.map(
+        lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(),
+        (w, state),
+    )
+    want = _targets.compile_for(
+        make_step(1), w, state, jax.ShapeDtypeStruct((256, 256), jnp.float32),
+        target="h100x8", specs=(*specs, P("data")), axis_types=mesh.axis_types,
+    ).memory().peak  # fmt: skip
+    assert (got.microbatch_size, got.memory_bytes) == (256, want)
