@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if __name__ == "__main__":  # 8 CPU devices; imported (by a test), no change
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import harness  # noqa: E402
 import jax  # noqa: E402
