@@ -16,6 +16,7 @@ made it and its device memory read the same way on every compiler (`Memory`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -164,9 +165,9 @@ def compile_for(
         devices (``jax_num_cpu_devices``) for the target's platform and that
         program compiled by the target's compiler.
       axis_types: the mesh's ``jax.sharding.AxisType`` per axis (default:
-        ``Auto``). The step is traced with that mesh set (``jax.set_mesh``),
-        whatever mesh the caller has set: a step that reads the mesh (an
-        Explicit ``reshard``, a ``shard_map`` without one) reads the target's.
+        ``Auto``). An Explicit mesh is set (``jax.set_mesh``) while the step
+        is traced, whatever mesh the caller has set: a step that reads the
+        mesh (an Explicit ``reshard``) reads the target's.
 
     Returns:
       A `Compiled`: the program, the compiler that made it and the mesh.
@@ -191,7 +192,7 @@ def compile_for(
         warnings.filterwarnings(
             "ignore", "Error reading persistent compilation cache", UserWarning
         )
-        with jax.set_mesh(mesh):  # a step that reads the mesh reads this one
+        with _context(mesh):
             program = jitted.trace(*placed).lower().compile()
     return Compiled(program, target, compiler(target), mesh)
 
@@ -264,6 +265,15 @@ def _platform(devices: Sequence[Any]) -> str:
     """The `_PLUGINS` platform of ``devices``: a GPU topology's is ``"gpu"``."""
     platform = devices[0].platform
     return "cuda" if platform in ("gpu", "cuda") else platform
+
+
+def _context(mesh: Mesh) -> Any:
+    """An Explicit ``mesh`` set for tracing: a step that reads the mesh (an
+    Explicit ``reshard``) reads the target's, whatever the caller has set.
+    An Auto mesh is not set: its shardings are the compiler's to choose."""
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def _checked(target: str) -> str:
@@ -405,7 +415,7 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]
     platform = _platform(list(mesh.devices.flat))
-    with jax.set_mesh(cpu_mesh):
+    with _context(cpu_mesh):
         lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
     options = jax_compiler.get_compile_options(
         num_replicas=1,
