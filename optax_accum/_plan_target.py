@@ -117,10 +117,9 @@ def for_target(target: Any, state: Any) -> Compiler:
     """
     devices = _targets.target_devices(target)
     mesh = _mesh_of(state)
-    axis_names, shape, types = ("data",), None, None
+    axis_names, shape = ("data",), None
     if mesh is not None:
         axis_names, shape = mesh.axis_names, mesh.devices.shape
-        types = mesh.axis_types  # an Explicit step reshards on the same types
         if mesh.devices.size != len(devices):
             raise ValueError(
                 f"The parameters are on a mesh of {mesh.devices.size} devices "
@@ -136,8 +135,7 @@ def for_target(target: Any, state: Any) -> Compiler:
         try:
             compiled = _targets.compile_for(
                 step, *args, target=target, axis_names=axis_names,
-                mesh_shape=shape, axis_types=types,
-                specs=[*specs, PartitionSpec(axis_names)],
+                mesh_shape=shape, specs=[*specs, PartitionSpec(axis_names)],
                 memory_kinds=[*kinds, None] if host else None,
             )  # fmt: skip
         except jax.errors.JaxRuntimeError as e:
