@@ -47,7 +47,9 @@ def test_the_plan_names_this_machines_compiler():
 
 
 def test_an_unknown_target_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"one of \['h100', 'h100x4', 'h100x8', 'v5e'.*'a100'"):
+    with pytest.raises(
+        ValueError, match=r"one of \['h100', 'h100x4', 'h100x8', 'v5e'.*'a100'"
+    ):
         _plan(memory_budget=10**9, target="a100")
     with pytest.raises(ValueError, match=r"a topology or its devices, got 3"):
         _plan(memory_budget=10**9, target=3)

@@ -181,4 +181,3 @@ def test_a_size_xla_tpu_refuses_to_compile_does_not_fit():
     batch = jax.ShapeDtypeStruct((plan.next_microbatch_size, 256), jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         _targets.compile_for(jax.value_and_grad(loss), w, batch, target="v5e")
-
