@@ -134,10 +134,7 @@ def compile_on(target, fn, args, **kw):
         else jax.jit(fn, donate_argnums=donate)
     )
     program = jitted.trace(*placed).lower().compile()
-    m = program.memory_analysis()
-    arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
-    alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
-    memory = _targets.Memory(arg, out, alias, temp, arg + out - alias + temp)
+    memory = _targets.Compiled(program, "cpu", "XLA:CPU", mesh).memory()
     return program.as_text(), memory, mesh
 
 
