@@ -36,7 +36,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_compilers import compile_on  # noqa: E402
 from transformer.steps import Key, gpt, init_state, step_fn  # noqa: E402
 
-from optax_accum import _offload, _plan_target, _targets  # noqa: E402
+from optax_accum import _offload, _targets  # noqa: E402
+from optax_accum._planner import _compile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MiB = 2**20
@@ -65,16 +66,16 @@ def _args(key: Key, cfg):
 def _offloaded(where: str, key: Key, cfg) -> tuple[int, int]:
     """(temp, peak) of a step whose AdamW state is in host memory, measured
     as the planner measures it: the state placed by `offload` (in host
-    memory) here, and kept there for the target (`_plan_target`)."""
+    memory) here, and kept there for the target (`_planner._compile`)."""
     fn, kind = step_fn(key, cfg)
     params = gpt.init_params(cfg)
     state = jax.tree.map(_offload.abstract, (params, init_state(kind, params)))
     batch = jax.eval_shape(lambda: gpt.random_batch(jax.random.key(0), cfg, key.rows))
     step = jax.jit(fn, donate_argnums=key.donated)
     if where == "cpu":
-        compiler = _plan_target.here()
+        compiler = _compile.here()
     else:
-        compiler = _plan_target.for_target(where, state)
+        compiler = _compile.for_target(where, state)
     peak, _ = compiler.measure(step, (*state, batch))
     return -1, peak  # temp: not split from the host buffers on every compiler
 

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _checks, _offload, _targets
+from .. import _checks, _offload, _targets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import optax
 
-from . import _checks, _offload, _plan_target
+from .. import _checks, _offload
+from . import _compile
 
 
 class MicrobatchPlan(NamedTuple):
@@ -85,7 +86,7 @@ def compiled_memory_bytes(compiled: Any) -> int:
       >>> optax_accum.compiled_memory_bytes(compiled)  # 1 KiB in, 1 KiB out
       2048
     """
-    _plan_target.analysed(compiled)
+    _compile.analysed(compiled)
     return _offload.device_bytes(compiled)[0]
 
 
@@ -324,7 +325,7 @@ def _plan(
 
     ``step_at(m)`` is the lowerable step for micro-batch size ``m``, and
     ``rows_at(m)`` the rows of the batch it is lowered with; ``compiler`` (a
-    `_plan_target.Compiler`) compiles and measures it.
+    `_compile.Compiler`) compiles and measures it.
     """
     target = _checks.positive_int(target_batch_size, "target_batch_size")
     multiple_of = _checks.positive_int(multiple_of, "multiple_of")
@@ -400,16 +401,16 @@ class _Estimates:
         return self.memory[m]
 
 
-def _compiler(device: Any, target: Any, state: Any) -> _plan_target.Compiler:
+def _compiler(device: Any, target: Any, state: Any) -> _compile.Compiler:
     if target is None:
-        return _plan_target.here(device)
+        return _compile.here(device)
     if device is not None:
         raise ValueError(
             "Pass `device` (plan for one of this machine's devices) or `target` "
             f"(plan for another), not both: got {device!r} and {target!r}."
         )
     abstract = jax.tree.map(_offload.abstract, state)
-    return _plan_target.for_target(target, abstract)
+    return _compile.for_target(target, abstract)
 
 
 def _largest_fitting(sizes: list[int], estimate: _Estimates, budget: int) -> int:
