@@ -72,10 +72,8 @@ def _offloaded(where: str, key: Key, cfg) -> tuple[int, int]:
     state = jax.tree.map(_offload.abstract, (params, init_state(kind, params)))
     batch = jax.eval_shape(lambda: gpt.random_batch(jax.random.key(0), cfg, key.rows))
     step = jax.jit(fn, donate_argnums=key.donated)
-    if where == "cpu":
-        compiler = _compile.here()
-    else:
-        compiler = _compile.for_target(where, state)
+    here = where == "cpu"
+    compiler = _compile.here() if here else _compile.for_target(where, state)
     peak, _ = compiler.measure(step, (*state, batch))
     return -1, peak  # temp: not split from the host buffers on every compiler
 
