@@ -192,7 +192,7 @@ def compile_for(
         warnings.filterwarnings(
             "ignore", "Error reading persistent compilation cache", UserWarning
         )
-        with _context(mesh):
+        with traced_under(mesh):
             program = jitted.trace(*placed).lower().compile()
     return Compiled(program, target, compiler(target), mesh)
 
@@ -267,7 +267,7 @@ def _platform(devices: Sequence[Any]) -> str:
     return "cuda" if platform in ("gpu", "cuda") else platform
 
 
-def _context(mesh: Mesh) -> Any:
+def traced_under(mesh: Mesh) -> Any:
     """An Explicit ``mesh`` set for tracing: a step that reads the mesh (an
     Explicit ``reshard``) reads the target's, whatever the caller has set.
     An Auto mesh is not set: its shardings are the compiler's to choose."""
@@ -415,7 +415,7 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]
     platform = _platform(list(mesh.devices.flat))
-    with _context(cpu_mesh):
+    with traced_under(cpu_mesh):
         lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
     options = jax_compiler.get_compile_options(
         num_replicas=1,

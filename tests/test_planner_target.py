@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, reshard
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import _targets
@@ -82,7 +84,7 @@ def test_device_and_target_are_one_or_the_other():
 
 
 def test_the_batch_must_split_over_the_targets_devices(fake_compiler):
-    match = r"its 4 devices: `multiple_of` .* of 4, got 2"
+    match = r"\(.data.,\) \(4 devices\): `multiple_of` .* of 4, got 2"
     with pytest.raises(ValueError, match=match):
         _plan(memory_budget=10**9, target=_v5e(4), multiple_of=2)
 
@@ -103,3 +105,91 @@ def test_parameters_on_a_mesh_need_a_target_of_as_many_devices(fake_compiler):
             STEP, w, None, EXAMPLE, 16, memory_budget=10**9, target=_v5e(4),
             multiple_of=4,
         )  # fmt: skip
+
+
+# `data_axes`: the mesh axes the batch's rows are sharded over.
+
+
+def _fsdp():
+    """``W`` split over the rows of an 8-device Explicit mesh, and a step
+    whose loss gathers it (``reshard``, which reads the mesh that is set)."""
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    w = jax.device_put(W, NamedSharding(mesh, P("data", None)))
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ reshard(w, P())) ** 2)
+
+    return mesh, w, jax.value_and_grad(loss)
+
+
+def test_data_axes_must_be_axes_of_the_parameters_mesh(fake_compiler):
+    _, w, step = _fsdp()
+    cases = [
+        ("model", r"`data_axes`='model' names \['model'\], not axes .*\('data',\)"),
+        (("data", "data"), r"`data_axes` has repeated axes: \('data', 'data'\)"),
+    ]
+    for data_axes, match in cases:
+        for target in (None, _v5e(8)):
+            with pytest.raises(ValueError, match=match):
+                optax_accum.plan_microbatch(
+                    step, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=8,
+                    target=target, data_axes=data_axes,
+                )  # fmt: skip
+    with pytest.raises(TypeError, match=r"`data_axes` must be None, a mesh axis"):
+        _plan(memory_budget=10**9, target=_v5e(1), data_axes=3)
+
+
+def test_data_axes_on_this_machine_need_parameters_on_a_mesh():
+    with pytest.raises(ValueError, match=r"`data_axes`='data' .* are on none"):
+        _plan(memory_budget=10**9, data_axes="data")
+
+
+def test_the_batch_must_split_over_the_data_axes_on_this_machine():
+    _, w, step = _fsdp()
+    with pytest.raises(ValueError, match=r"\(8 devices\): `multiple_of` .* got 4"):
+        optax_accum.plan_microbatch(
+            step, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=4,
+            data_axes="data",
+        )  # fmt: skip
+
+
+def test_data_axes_shard_the_batch_on_this_machines_mesh():
+    """An Explicit FSDP step planned on this machine's 8 devices, outside
+    ``jax.set_mesh``: the parameters' mesh is set while it is traced, and
+    the batch is split over "data", so each candidate's bytes are those of
+    the step compiled with its rows sharded so; unsharded, they are more."""
+    mesh, w, step = _fsdp()
+    plan = optax_accum.plan_microbatch(
+        step, w, None, EXAMPLE, 64, memory_budget=10**9, multiple_of=8,
+        data_axes="data",
+    )  # fmt: skip
+    assert plan.microbatch_size == 64
+
+    def compiled(sharding):
+        batch = jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=sharding)
+        with jax.set_mesh(mesh):
+            return jax.jit(step).lower(w, batch).compile()
+
+    rows = optax_accum.compiled_memory_bytes(compiled(NamedSharding(mesh, P("data"))))
+    whole = optax_accum.compiled_memory_bytes(compiled(NamedSharding(mesh, P())))
+    assert plan.memory_bytes == rows < whole
+
+
+def test_an_ill_typed_batch_layout_says_to_name_the_data_axes():
+    """Tensor parallel on an Explicit ("data", "model") mesh: the batch
+    split over both axes meets a weight split over "model" in one matmul,
+    which does not type-check; the error says how the batch was sharded and
+    what to pass."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    w = jax.device_put(W, NamedSharding(mesh, P(None, "model")))
+    match = r"(?s)rows sharded over \('data', 'model'\) on the parameters' mesh"
+    with pytest.raises(ValueError, match=match + r".*`data_axes=`"):
+        optax_accum.plan_microbatch(
+            STEP, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=8,
+            data_axes=("data", "model"),
+        )  # fmt: skip
+    plan = optax_accum.plan_microbatch(
+        STEP, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=2,
+        data_axes="data",
+    )  # fmt: skip
+    assert plan.microbatch_size == 16

@@ -13,8 +13,10 @@ device's memory as the default budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +38,9 @@ class Compiler:
       memory: the default budget in bytes, or None where it is unknown.
       missing: the error when ``memory`` is None and no budget is given.
       target: the target, or None for this machine.
-      batch_devices: the devices the batch is sharded over.
+      batch_axes: the mesh axes the batch's rows are sharded over, or None
+        where the step places the batch.
+      batch_devices: the devices the batch's rows are split over.
     """
 
     name: str
@@ -44,6 +48,7 @@ class Compiler:
     memory: int | None
     missing: str
     target: Any = None
+    batch_axes: tuple[str, ...] | None = None
     batch_devices: int = 1
 
     def budget(self, memory_budget: int | None) -> int:
@@ -63,6 +68,16 @@ class Compiler:
             )
         return budget
 
+    def check_multiple(self, multiple_of: int) -> None:
+        """``multiple_of`` splits evenly over the batch's devices."""
+        if multiple_of % self.batch_devices:
+            raise ValueError(
+                f"The batch's rows are sharded over the mesh axes "
+                f"{self.batch_axes} ({self.batch_devices} devices): "
+                f"`multiple_of` must be a multiple of {self.batch_devices}, "
+                f"got {multiple_of}."
+            )
+
 
 def analysed(compiled: Any) -> Any:
     """``compiled.memory_analysis()``, or a RuntimeError where there is none."""
@@ -75,17 +90,47 @@ def analysed(compiled: Any) -> Any:
     return stats
 
 
-def here(device: Any = None) -> Compiler:
+def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compiler:
     """Compiles for ``device`` (default ``jax.devices()[0]``); its free memory,
-    ``bytes_limit - bytes_in_use``, is the default budget."""
+    ``bytes_limit - bytes_in_use``, is the default budget.
+
+    With ``data_axes``, the batch's rows are sharded over those axes of the
+    mesh of ``state`` (the parameters and optimizer state, abstract); without,
+    the step places the batch. An Explicit mesh of ``state`` is set while the
+    step is traced where the caller has set none (`_targets.compile_for` does
+    the same for a target).
+    """
     device = device if device is not None else jax.devices()[0]
     stats = device.memory_stats()
     memory = None
     if stats and "bytes_limit" in stats:
         memory = int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    mesh = _mesh_of(state)
+    axes, devices, sharding = None, 1, None
+    if data_axes is not None:
+        if mesh is None:
+            raise ValueError(
+                f"`data_axes`={data_axes!r} shards the batch over the mesh of the "
+                "parameters, and they are on none: place them on a mesh "
+                "(`jax.device_put(params, NamedSharding(mesh, spec))`), or leave "
+                "`data_axes` out and let the step place the batch."
+            )
+        axes, devices = _batch_axes(data_axes, mesh.axis_names, dict(mesh.shape))
+        sharding = NamedSharding(mesh, PartitionSpec(axes))
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
-        compiled = step.lower(*args).compile()
+        batch = args[-1]
+        if sharding is not None:
+            batch = jax.tree.map(
+                lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding),
+                batch,
+            )
+        unset = jax.sharding.get_abstract_mesh().empty
+        context = _targets.traced_under(mesh) if mesh is not None and unset else None
+        with context or contextlib.nullcontext():
+            compiled = _typed(
+                lambda: step.lower(*args[:-1], batch).compile(), axes, mesh
+            )
         analysed(compiled)
         return _offload.device_bytes(compiled)
 
@@ -100,32 +145,39 @@ def here(device: Any = None) -> Compiler:
             "Pass the budget in bytes, e.g. memory_budget=4 * 2**30, or plan "
             "for the hardware you will run on with `target=`."
         ),
+        batch_axes=axes,
+        batch_devices=devices,
     )
 
 
-def for_target(target: Any, state: Any) -> Compiler:
+def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
     """Compiles for ``target`` (a name of `_targets.TARGETS` or a topology).
 
     The mesh is over the target's devices, shaped like the mesh of the
-    parameters and state (``state``, abstract) where they have one, else all
-    on one ``"data"`` axis. Each leaf keeps its ``PartitionSpec`` and memory
-    kind; the batch's leading axis is sharded over every mesh axis.
+    parameters and state (``state``, abstract), with its axis types, where
+    they have one, else all on one ``"data"`` axis. Each leaf keeps its
+    ``PartitionSpec`` and memory kind; the batch's rows are sharded over
+    ``data_axes`` (default: every mesh axis).
 
     Raises:
-      ValueError: for an unknown target, or a mesh of another size.
+      ValueError: for an unknown target, a mesh of another size, or
+        ``data_axes`` that are not the mesh's.
       ImportError: where the target's compiler is not installed.
     """
     devices = _targets.target_devices(target)
     mesh = _mesh_of(state)
-    axis_names, shape = ("data",), None
+    axis_names, shape, types = ("data",), None, None
+    sizes = {"data": len(devices)}
     if mesh is not None:
-        axis_names, shape = mesh.axis_names, mesh.devices.shape
+        axis_names, shape, types = mesh.axis_names, mesh.devices.shape, mesh.axis_types
+        sizes = dict(mesh.shape)
         if mesh.devices.size != len(devices):
             raise ValueError(
                 f"The parameters are on a mesh of {mesh.devices.size} devices "
-                f"{dict(mesh.shape)}, and `target`={target!r} has "
+                f"{sizes}, and `target`={target!r} has "
                 f"{len(devices)}: plan for a target of as many devices."
             )
+    axes, batch_devices = _batch_axes(data_axes, axis_names, sizes)
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
         specs = [jax.tree.map(_spec, a) for a in args[:-1]]
@@ -133,10 +185,15 @@ def for_target(target: Any, state: Any) -> Compiler:
         host = any("pinned_host" in jax.tree.leaves(k) for k in kinds)
         note = "memory_analysis splits host memory off" if host else ""
         try:
-            compiled = _targets.compile_for(
-                step, *args, target=target, axis_names=axis_names,
-                mesh_shape=shape, specs=[*specs, PartitionSpec(axis_names)],
-                memory_kinds=[*kinds, None] if host else None,
+            compiled = _typed(
+                lambda: _targets.compile_for(
+                    step, *args, target=target, axis_names=axis_names,
+                    mesh_shape=shape, axis_types=types,
+                    specs=[*specs, PartitionSpec(axes)],
+                    memory_kinds=[*kinds, None] if host else None,
+                ),
+                axes,
+                mesh,
             )  # fmt: skip
         except jax.errors.JaxRuntimeError as e:
             return _refused(e, memory), note
@@ -152,8 +209,46 @@ def for_target(target: Any, state: Any) -> Compiler:
             "devices' memory is unknown. Pass the budget in bytes."
         ),
         target=target,
-        batch_devices=len(devices),
+        batch_axes=axes,
+        batch_devices=batch_devices,
     )
+
+
+def _batch_axes(
+    data_axes: Any, axis_names: tuple[str, ...], sizes: dict[str, int]
+) -> tuple[tuple[str, ...], int]:
+    """``data_axes`` checked against the mesh (default: all its axes), and the
+    devices they split the batch's rows over."""
+    axes = _checks.axis_names(data_axes, "data_axes") or tuple(axis_names)
+    missing = [a for a in axes if a not in axis_names]
+    if missing:
+        raise ValueError(
+            f"`data_axes`={data_axes!r} names {missing}, not axes of the "
+            f"parameters' mesh {tuple(axis_names)}."
+        )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"`data_axes` has repeated axes: {data_axes!r}.")
+    return axes, math.prod(sizes[a] for a in axes)
+
+
+def _typed(compile_: Callable[[], Any], axes: Any, mesh: Any) -> Any:
+    """``compile_()``; a step ill-typed against the batch's sharding (an
+    Explicit mesh's ``ShardingTypeError``) is a ValueError that says how
+    the batch was sharded."""
+    try:
+        return compile_()
+    except Exception as e:
+        if type(e).__name__ != "ShardingTypeError":
+            raise
+        where = "placed by the step" if axes is None else f"sharded over {axes}"
+        types = "" if mesh is None else f" {mesh.axis_names}, {mesh.axis_types}"
+        raise ValueError(
+            f"The step does not type-check with the batch's rows {where} on "
+            f"the parameters' mesh{types}: {e}\nName the mesh axes the batch "
+            "is sharded over with `data_axes=` (under tensor parallelism, only "
+            "the data axes), or make the step's shardings agree (under an "
+            "Explicit mesh, `jax.sharding.reshard` what it gathers)."
+        ) from e
 
 
 def _refused(error: Exception, memory: int | None) -> int:

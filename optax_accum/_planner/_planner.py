@@ -113,6 +113,7 @@ def plan_microbatch(
     divisors_only: bool = True,
     device: Any = None,
     target: Any = None,
+    data_axes: str | tuple[str, ...] | None = None,
 ) -> MicrobatchPlan:
     """Finds the largest micro-batch size whose compiled step fits in memory.
 
@@ -175,14 +176,21 @@ def plan_microbatch(
         ``compilers`` extra) on a mesh over its devices: parameters and state
         keep their ``PartitionSpec`` (their mesh's shape is the target's
         mesh's, so it must have as many devices) and host memory
-        (`offload`), and the batch's leading axis is sharded over every mesh
-        axis, so ``multiple_of`` must be a multiple of the target's device
-        count. The default budget is one device's memory (an H100's from its
+        (`offload`), and the mesh has their mesh's axis types, so an
+        Explicit step is planned as it runs (its ``reshard`` s under the
+        target's mesh); the batch's rows are sharded over ``data_axes``. The
+        default budget is one device's memory (an H100's from its
         target description, a TPU's from its kind); on a GPU, JAX's allocator
         takes 75% of it unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says
         otherwise, so pass that as ``memory_budget`` to plan for a default
         run. A ``jax.jit`` step is compiled with its own donation; its
         ``in_shardings`` must not name this machine's devices.
+      data_axes: the axes of the parameters' mesh the batch's rows are
+        sharded over, a name or a tuple of names: the data-parallel axes,
+        e.g. ``"data"`` on a ``("data", "model")`` tensor-parallel mesh.
+        ``multiple_of`` must be a multiple of their device count. Default:
+        with ``target``, every axis of the mesh (all of the target's
+        devices); without, the batch is lowered as ``step`` places it.
 
     Returns:
       A `MicrobatchPlan`.
@@ -191,7 +199,10 @@ def plan_microbatch(
       ValueError: if no budget is given and the device reports none, if no
         candidate size exists, or if even the smallest candidate does not fit;
         for an unknown ``target`` (naming the known ones), a budget over the
-        target's memory, or both ``device`` and ``target``.
+        target's memory, or both ``device`` and ``target``; for
+        ``data_axes`` not of the parameters' mesh (or without one), or a
+        ``multiple_of`` that does not split over them; where the step does
+        not type-check with the batch sharded so (an Explicit mesh).
       ImportError: where ``target``'s compiler (the ``compilers`` extra) is
         not installed.
       TypeError: for non-integer sizes.
@@ -219,7 +230,7 @@ def plan_microbatch(
         max_microbatch_size,
         multiple_of,
         divisors_only,
-        _compiler(device, target, (params, opt_state)),
+        _compiler(device, target, (params, opt_state), data_axes),
     )
 
 
@@ -235,6 +246,7 @@ def plan_fused_step(
     multiple_of: int = 1,
     device: Any = None,
     target: Any = None,
+    data_axes: str | tuple[str, ...] | None = None,
 ) -> MicrobatchPlan:
     """Plans a fused step: the whole batch in one call, split into ``k`` inside.
 
@@ -265,6 +277,8 @@ def plan_fused_step(
       multiple_of: candidate sizes are multiples of this.
       device: the device whose free memory is the default budget.
       target: plan for another GPU or TPU, as in `plan_microbatch`.
+      data_axes: the mesh axes the batch's rows are sharded over, as in
+        `plan_microbatch`.
 
     Returns:
       A `MicrobatchPlan`: ``num_microbatches`` is the ``k`` to build the step
@@ -313,7 +327,7 @@ def plan_fused_step(
         max_microbatch_size,
         multiple_of,
         True,  # microbatch splits the batch into k equal parts
-        _compiler(device, target, (params, opt_state)),
+        _compiler(device, target, (params, opt_state), data_axes),
     )
 
 
@@ -332,12 +346,7 @@ def _plan(
     max_size = target
     if max_microbatch_size is not None:
         max_size = _checks.positive_int(max_microbatch_size, "max_microbatch_size")
-    if multiple_of % compiler.batch_devices:
-        raise ValueError(
-            f"`target`={compiler.target!r} shards the batch over its "
-            f"{compiler.batch_devices} devices: `multiple_of` must be a multiple "
-            f"of {compiler.batch_devices}, got {multiple_of}."
-        )
+    compiler.check_multiple(multiple_of)
     budget = compiler.budget(memory_budget)
     sizes = _candidates(target, max_size, multiple_of, divisors_only)
     if not sizes:
@@ -401,16 +410,18 @@ class _Estimates:
         return self.memory[m]
 
 
-def _compiler(device: Any, target: Any, state: Any) -> _compile.Compiler:
+def _compiler(
+    device: Any, target: Any, state: Any, data_axes: Any
+) -> _compile.Compiler:
+    abstract = jax.tree.map(_offload.abstract, state)
     if target is None:
-        return _compile.here(device)
+        return _compile.here(device, abstract, data_axes)
     if device is not None:
         raise ValueError(
             "Pass `device` (plan for one of this machine's devices) or `target` "
             f"(plan for another), not both: got {device!r} and {target!r}."
         )
-    abstract = jax.tree.map(_offload.abstract, state)
-    return _compile.for_target(target, abstract)
+    return _compile.for_target(target, abstract, data_axes)
 
 
 def _largest_fitting(sizes: list[int], estimate: _Estimates, budget: int) -> int:

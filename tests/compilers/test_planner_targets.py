@@ -6,13 +6,15 @@ its own, fits; the planned bytes are those bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -122,16 +124,28 @@ def test_a_budget_over_the_targets_memory_gives_both_numbers():
         )  # fmt: skip
 
 
-def test_sharded_parameters_keep_their_layout_on_the_target():
-    """Parameters sharded over 8 CPU devices: planned for 8 H100s on a mesh
-    of that shape, each device holding its shard of them and of Adam's
-    moments; a topology's devices plan as its name does."""
-    require("h100x8")
-    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
-    spec = {"w1": P(None, "data"), "w2": P("data", None)}
-    params = jax.device_put(
-        PARAMS, jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+def _on_mesh(params, spec, mesh):
+    return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), spec))
+
+
+def _specs(tree):
+    return jax.tree.map(
+        lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(),
+        tree,
     )
+
+
+def test_sharded_parameters_keep_their_layout_on_the_target():
+    """Parameters sharded over 8 CPU devices of an Auto mesh (the step lets
+    the compiler place its products): planned for 8 H100s on a mesh of that
+    shape, each device holding its shard of them and of Adam's moments; a
+    topology's devices plan as its name does."""
+    require("h100x8")
+    mesh = jax.make_mesh(
+        (8,), ("data",), devices=jax.devices("cpu")[:8], axis_types=(AxisType.Auto,)
+    )
+    spec = {"w1": P(None, "data"), "w2": P("data", None)}
+    params = _on_mesh(PARAMS, spec, mesh)
     opt_state = TX.init(params)
     plans = [
         optax_accum.plan_fused_step(
@@ -146,10 +160,6 @@ def test_sharded_parameters_keep_their_layout_on_the_target():
         )
         for target in ("h100x8", _targets.target_devices("h100x8"))
     ]
-    state_specs = jax.tree.map(
-        lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(),
-        opt_state,
-    )
 
     def peak(specs):
         compiled = _targets.compile_for(
@@ -160,7 +170,121 @@ def test_sharded_parameters_keep_their_layout_on_the_target():
 
     assert plans[0].microbatch_size == TARGET
     assert plans[0].memory_bytes == plans[1].memory_bytes
-    assert plans[0].memory_bytes == peak((spec, state_specs)) < peak((None, None))
+    assert plans[0].memory_bytes == peak((spec, _specs(opt_state))) < peak((None, None))
+
+
+def _explicit_fsdp_step(tx):
+    """An Explicit-mesh FSDP step: the loss gathers each weight with
+    ``reshard`` (the mesh it reads is the one set while it is traced)."""
+
+    def loss(params, batch):
+        w1, w2 = (reshard(params[n], P()) for n in ("w1", "w2"))
+        logits = jnp.tanh(batch["x"] @ w1) @ w2
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["y"]
+        ).mean()
+
+    def make_step(k):
+        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
+
+        def step(params, opt_state, batch):
+            value, grads = grad_fn(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    return make_step
+
+
+@pytest.mark.parametrize("set_mesh", [False, True])
+def test_an_explicit_step_that_reshards_is_planned_as_it_runs(set_mesh):
+    """FSDP on an Explicit mesh (`jax.make_mesh`'s default), its loss
+    gathering the weights with ``reshard``: the target's mesh has the
+    parameters' axis types and is set while the step is traced, inside or
+    outside the caller's ``jax.set_mesh``; the bytes are `compile_for`'s on
+    that Explicit mesh."""
+    require("h100x8")
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
+    spec = {"w1": P("data", None), "w2": P("data", None)}
+    params = _on_mesh(PARAMS, spec, mesh)
+    opt_state = TX.init(params)
+    make_step = _explicit_fsdp_step(TX)
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        plan = optax_accum.plan_fused_step(
+            make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
+            multiple_of=8, max_microbatch_size=64, target="h100x8",
+        )  # fmt: skip
+    compiled = _targets.compile_for(
+        make_step(TARGET // 64), params, opt_state, _batch(TARGET),
+        target="h100x8", specs=(spec, _specs(opt_state), P("data")),
+        axis_types=(AxisType.Explicit,),
+    )  # fmt: skip
+    assert plan.microbatch_size == 64
+    assert plan.memory_bytes == compiled.memory().peak
+    # The same step runs on this machine's Explicit mesh: it is not a
+    # program only the planner accepts.
+    rows = NamedSharding(mesh, P("data"))
+    batch = jax.tree.map(
+        lambda s: jax.device_put(np.zeros(s.shape, s.dtype), rows), _batch(TARGET)
+    )
+    with jax.set_mesh(mesh):
+        jax.jit(make_step(4))(params, opt_state, batch)
+
+
+def test_tensor_parallel_shards_the_batch_over_its_data_axes_only():
+    """A ("data", "model") Explicit mesh, Megatron's column-then-row split
+    over "model": with ``data_axes="data"`` the batch is split over 2 devices
+    (``multiple_of`` 2 is enough) and the step type-checks; sharding it over
+    every axis does not, and the error says to name the data axes."""
+    require("h100x8")
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices("cpu")[:8])
+    spec = {"w1": P(None, "model"), "w2": P("model", None)}
+    params = _on_mesh(PARAMS, spec, mesh)
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(params)
+
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w1"])
+        logits = jnp.einsum("bh,hc->bc", h, params["w2"], out_sharding=P("data"))
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["y"]
+        ).mean()
+
+    def make_step(k):
+        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
+
+        def step(params, opt_state, batch):
+            value, grads = grad_fn(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    plan = optax_accum.plan_fused_step(
+        make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
+        multiple_of=2, max_microbatch_size=64, target="h100x8", data_axes="data",
+    )  # fmt: skip
+    compiled = _targets.compile_for(
+        make_step(TARGET // 64), params, opt_state, _batch(TARGET),
+        target="h100x8", axis_names=("data", "model"), mesh_shape=(2, 4),
+        specs=(spec, _specs(opt_state), P("data")),
+        axis_types=(AxisType.Explicit,) * 2,
+    )  # fmt: skip
+    assert plan.microbatch_size == 64
+    assert plan.memory_bytes == compiled.memory().peak
+    with pytest.raises(
+        ValueError, match=r"(?s)rows sharded over \('data', 'model'\).*`data_axes=`"
+    ):
+        optax_accum.plan_fused_step(
+            make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
+            multiple_of=8, target="h100x8",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"\('data',\) \(2 devices\).*got 1"):
+        optax_accum.plan_fused_step(
+            make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
+            target="h100x8", data_axes="data",
+        )  # fmt: skip
 
 
 def test_a_size_xla_tpu_refuses_to_compile_does_not_fit():
