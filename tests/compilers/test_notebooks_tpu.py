@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The optax_accum Authors.
-"""Every Colab notebook's train step, compiled for Colab's TPU (a v5e-1).
+"""Every Colab notebook's train step, compiled for Colab's TPU (a v5e-1);
+06's two (the noise-scale measurement and `adaptive_every_k`'s run).
 
 The notebooks (``notebooks/0N_*.py``, the py:percent sources of the
 ``.ipynb`` files) are written for Colab, whose TPU runtime is one TPU v5e
@@ -114,6 +115,15 @@ CASES = [
         given={"COMBOS": [("full", "bfloat16")]},
     ),
     Case("06_batch_size", "measure", "b, k, LR = "),
+    Case(
+        "06_batch_size",
+        "train_adaptive",  # `adaptive_every_k`: k in the state, in a scan
+        "every_k = optax_accum.adaptive_every_k(",
+        # The noise-scale run (its cell sets `b`, given here), the sweep, the
+        # fit and the plots.
+        skip=("b, k, LR = ", "fig, ax", "BATCHES = ", "reached = ", "grid = "),
+        given={"b": 8},
+    ),
 ]
 
 
@@ -275,7 +285,7 @@ def _compile(reached: _Reached, case: Case) -> _targets.Compiled:
         )
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.notebook)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.notebook}:{c.step}")
 def test_notebook_train_step_compiles_for_colab_tpu(case):
     require(TARGET)
     with _restoring_jax_state():
