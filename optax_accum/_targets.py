@@ -68,16 +68,20 @@ _PLUGINS = {
 
 # A TPU device's HBM by its ``device_kind`` (a topology's devices report no
 # memory statistics): one TensorCore of a v2 or v3 chip, a whole chip from v4.
-_TPU_MEMORY = {
-    "TPU v2": 8 * 2**30,
-    "TPU v3": 16 * 2**30,
-    "TPU v4": 32 * 2**30,
-    # What XLA:TPU gives a program of a v5e's 16 GiB (its out-of-memory
-    # error says "available HBM (15.75G)"), a real v5e's ``bytes_limit``.
-    "TPU v5 lite": 63 * 2**28,
-    "TPU v5": 95 * 2**30,  # v5p
-    "TPU v6 lite": 32 * 2**30,
+# What XLA:TPU gives a program on one device of each generation's topology,
+# in GiB to the two decimals its out-of-memory error gives ("available HBM
+# (15.75G)"; a real v5e's ``bytes_limit`` is the same 15.75 GiB). A v2, v3 or
+# v4 topology's devices are TensorCores, two per chip, each with half of it.
+# tests/compilers/test_targets.py checks each against the installed libtpu.
+_TPU_HBM_GIB = {
+    "TPU v2": 7.48,
+    "TPU v3": 15.48,
+    "TPU v4": 15.25,
+    "TPU v5 lite": 15.75,  # v5e
+    "TPU v5": 95.74,  # v5p
+    "TPU v6 lite": 31.25,  # v6e
 }
+_TPU_MEMORY = {kind: round(gib * 2**30) for kind, gib in _TPU_HBM_GIB.items()}
 
 # A target is a name of `TARGETS`, or a topology (``jax.experimental.
 # topologies.get_topology_desc(...)``, or its devices).

@@ -124,3 +124,34 @@ def test_host_memory_arguments_stay_on_the_host(target):
     assert stats.host_argument_size_in_bytes == shard
     assert compiled.memory().argument == shard  # the device's shard of w
     assert f"f32[{1024 // DEVICES[target]},256]" in compiled.as_text()
+
+
+@pytest.mark.parametrize(
+    "topology, kind",
+    [
+        ("v2:2x2", "TPU v2"),
+        ("v3:2x2", "TPU v3"),
+        ("v4:2x2x1", "TPU v4"),
+        ("v5e:2x2", "TPU v5 lite"),
+        ("v5p:2x2x1", "TPU v5"),
+        ("v6e:2x2", "TPU v6 lite"),
+    ],
+)
+def test_each_tpu_generations_memory_is_what_xla_tpu_gives_a_program(topology, kind):
+    """The planner's default budget for a TPU topology is the HBM XLA:TPU
+    offers a program on one of its devices: the figure its out-of-memory
+    error names, for a program of 64 GiB."""
+    require("v5e")
+    _targets.target_devices("v5e")  # the environment libtpu loads in
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(
+        topology_name=topology, platform="tpu"
+    ).devices
+    assert devices[0].device_kind == kind
+    huge = jax.ShapeDtypeStruct((2**18, 2**16), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        _targets.compile_for(lambda a: a * 2 + 1, huge, target=devices[:1])
+    found = re.search(r"available HBM \(([\d.]+)G\)", str(e.value))
+    assert found, str(e.value)
+    assert _targets.device_memory(devices[:1]) == round(float(found.group(1)) * 2**30)
