@@ -173,6 +173,11 @@ def test_data_axes_shard_the_batch_on_this_machines_mesh():
     rows = optax_accum.compiled_memory_bytes(compiled(NamedSharding(mesh, P("data"))))
     whole = optax_accum.compiled_memory_bytes(compiled(NamedSharding(mesh, P())))
     assert plan.memory_bytes == rows < whole
+    # Without `data_axes` the step places the batch: here, whole on each device.
+    unsharded = optax_accum.plan_microbatch(
+        step, w, None, EXAMPLE, 64, memory_budget=10**9, multiple_of=8
+    )
+    assert unsharded.memory_bytes == whole
 
 
 def test_an_ill_typed_batch_layout_says_to_name_the_data_axes():

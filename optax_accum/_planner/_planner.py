@@ -191,6 +191,8 @@ def plan_microbatch(
         ``multiple_of`` must be a multiple of their device count. Default:
         with ``target``, every axis of the mesh (all of the target's
         devices); without, the batch is lowered as ``step`` places it.
+        Parameters on an Explicit mesh have it set (``jax.set_mesh``) while
+        the step is traced, where the caller has set none.
 
     Returns:
       A `MicrobatchPlan`.
