@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 
 def is_constant(x: Any) -> bool:
@@ -161,8 +162,11 @@ def axis_names(value: Any, name: str) -> tuple[str, ...] | None:
     if value is None:
         return None
     axes = (value,) if isinstance(value, str) else value
+    # A set has no order (the devices' order would change between runs), and
+    # a PartitionSpec's entries are per dimension, not axes.
+    unordered = isinstance(value, (set, frozenset, dict, PartitionSpec))
     try:
-        axes = tuple(axes)
+        axes = () if unordered else tuple(axes)
     except TypeError:
         axes = ()
     if not axes or not all(isinstance(a, str) for a in axes):

@@ -16,7 +16,6 @@ made it and its device memory read the same way on every compiler (`Memory`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -169,9 +168,10 @@ def compile_for(
         devices (``jax_num_cpu_devices``) for the target's platform and that
         program compiled by the target's compiler.
       axis_types: the mesh's ``jax.sharding.AxisType`` per axis (default:
-        ``Auto``). An Explicit mesh is set (``jax.set_mesh``) while the step
-        is traced, whatever mesh the caller has set: a step that reads the
-        mesh (an Explicit ``reshard``) reads the target's.
+        ``Auto``). The mesh is set (``jax.set_mesh``) while the step is
+        traced, whatever mesh the caller has set: a step that reads the mesh
+        (an Explicit ``reshard``, a bare ``PartitionSpec``) reads the
+        target's.
 
     Returns:
       A `Compiled`: the program, the compiler that made it and the mesh.
@@ -272,12 +272,11 @@ def _platform(devices: Sequence[Any]) -> str:
 
 
 def traced_under(mesh: Mesh) -> Any:
-    """An Explicit ``mesh`` set for tracing: a step that reads the mesh (an
-    Explicit ``reshard``) reads the target's, whatever the caller has set.
-    An Auto mesh is not set: its shardings are the compiler's to choose."""
-    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+    """``mesh`` set for tracing (``jax.set_mesh``): a step that reads the
+    mesh (an Explicit ``reshard``, a bare ``PartitionSpec`` in a sharding
+    constraint or ``in_shardings``) reads the target's, whatever mesh the
+    caller has set."""
+    return jax.set_mesh(mesh)
 
 
 def _checked(target: str) -> str:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
@@ -198,3 +199,88 @@ def test_an_ill_typed_batch_layout_says_to_name_the_data_axes():
         data_axes="data",
     )  # fmt: skip
     assert plan.microbatch_size == 16
+
+
+def test_data_axes_is_an_ordered_name_or_tuple_of_names(fake_compiler):
+    """A set has no order (the rows' device order would change between
+    runs), and a PartitionSpec's entries are per dimension: both refused,
+    here and by the faces that share the check."""
+    _, w, step = _fsdp()
+    for bad in ({"data"}, frozenset({"data"}), P("data")):
+        with pytest.raises(TypeError, match=r"`data_axes` must be None, a mesh axis"):
+            optax_accum.plan_microbatch(
+                step, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=8,
+                data_axes=bad,
+            )  # fmt: skip
+        with pytest.raises(TypeError, match=r"`data_axes` must be None, a mesh axis"):
+            optax_accum.accumulate(optax.sgd(0.1), 2, data_axes=bad)
+    with pytest.raises(ValueError, match=r"not axes of the target's mesh \(the para"):
+        _plan(memory_budget=10**9, target=_v5e(1), data_axes="batch")
+
+
+def test_a_target_needs_data_axes_on_a_mesh_of_several_axes(fake_compiler):
+    """On a ("data", "model") mesh the batch may be split over "data" alone
+    (tensor parallel) or over both (data parallel): the planner does not
+    guess, where a wrong guess on an Auto mesh would plan another program."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    w = jax.device_put(W, NamedSharding(mesh, P(None, "model")))
+    match = r"axes \{'data': 2, 'model': 4\}: name the ones .* `data_axes=`"
+    with pytest.raises(ValueError, match=match):
+        optax_accum.plan_microbatch(
+            STEP, w, None, EXAMPLE, 16, memory_budget=10**9, multiple_of=8,
+            target=_v5e(8),
+        )  # fmt: skip
+
+
+def test_a_one_device_mesh_takes_data_axes():
+    """Code written for a mesh, run on one device: its 1-device mesh is the
+    parameters' mesh, and the batch split over its axis is the whole batch."""
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    w = jax.device_put(W, NamedSharding(mesh, P()))
+    plans = [
+        optax_accum.plan_microbatch(
+            STEP, w, None, EXAMPLE, 16, memory_budget=10**9, data_axes=data_axes
+        )
+        for data_axes in ("data", None)
+    ]
+    assert plans[0].memory_bytes == plans[1].memory_bytes
+
+
+def test_a_restore_targets_abstract_mesh_is_planned_under_the_callers_mesh():
+    """Parameters and state from ``jax.eval_shape`` under ``jax.set_mesh``
+    (an Orbax restore target) are on an abstract mesh: planned under the
+    caller's mesh, with and without ``data_axes``, as the arrays are."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), devices=jax.devices()[:8])
+    tx = optax.adam(1e-3)
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ reshard(p["w"], P())) ** 2)
+
+    def step(p, s, x):
+        updates, s = tx.update(jax.grad(loss)(p, x), s, p)
+        return optax.apply_updates(p, updates), s
+
+    def init():
+        return {"w": jnp.zeros((8, 16), out_sharding=P("fsdp", None))}
+
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(init)
+        abstract_state = jax.eval_shape(tx.init, abstract)
+        params = jax.jit(init)()
+        state = jax.jit(tx.init)(params)
+        assert isinstance(abstract["w"].sharding.mesh, jax.sharding.AbstractMesh)
+        for data_axes in (None, ("data", "fsdp")):
+            plans = [
+                optax_accum.plan_microbatch(
+                    step,
+                    p,
+                    s,
+                    EXAMPLE,
+                    64,
+                    memory_budget=10**9,
+                    multiple_of=8,
+                    data_axes=data_axes,
+                )
+                for p, s in ((abstract, abstract_state), (params, state))
+            ]
+            assert plans[0] == plans[1]

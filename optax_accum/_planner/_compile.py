@@ -96,16 +96,16 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
 
     With ``data_axes``, the batch's rows are sharded over those axes of the
     mesh of ``state`` (the parameters and optimizer state, abstract); without,
-    the step places the batch. An Explicit mesh of ``state`` is set while the
-    step is traced where the caller has set none (`_targets.compile_for` does
-    the same for a target).
+    the step places the batch. The mesh of ``state`` is set while the step is
+    traced where the caller has set none (`_targets.compile_for` does the
+    same for a target).
     """
     device = device if device is not None else jax.devices()[0]
     stats = device.memory_stats()
     memory = None
     if stats and "bytes_limit" in stats:
         memory = int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    mesh = _mesh_of(state)
+    mesh = _mesh_of(state, one_device=True)
     axes, devices, sharding = None, 1, None
     if data_axes is not None:
         if mesh is None:
@@ -115,7 +115,7 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
                 "(`jax.device_put(params, NamedSharding(mesh, spec))`), or leave "
                 "`data_axes` out and let the step place the batch."
             )
-        axes, devices = _batch_axes(data_axes, mesh.axis_names, dict(mesh.shape))
+        axes, devices = _batch_axes(data_axes, mesh, "the parameters' mesh")
         sharding = NamedSharding(mesh, PartitionSpec(axes))
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
@@ -125,8 +125,11 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
                 lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding),
                 batch,
             )
+        # A restore target's mesh (`jax.eval_shape` under `jax.set_mesh`) is
+        # abstract: the caller's concrete one stays.
         unset = jax.sharding.get_abstract_mesh().empty
-        context = _targets.traced_under(mesh) if mesh is not None and unset else None
+        concrete = isinstance(mesh, jax.sharding.Mesh)
+        context = _targets.traced_under(mesh) if concrete and unset else None
         with context or contextlib.nullcontext():
             compiled = _typed(
                 lambda: step.lower(*args[:-1], batch).compile(), axes, mesh
@@ -157,27 +160,37 @@ def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
     parameters and state (``state``, abstract), with its axis types, where
     they have one, else all on one ``"data"`` axis. Each leaf keeps its
     ``PartitionSpec`` and memory kind; the batch's rows are sharded over
-    ``data_axes`` (default: every mesh axis).
+    ``data_axes``, by default the mesh's one axis.
 
     Raises:
-      ValueError: for an unknown target, a mesh of another size, or
-        ``data_axes`` that are not the mesh's.
+      ValueError: for an unknown target, a mesh of another size,
+        ``data_axes`` that are not the mesh's, or none for a mesh of several
+        axes (data parallel or tensor parallel: only the caller knows).
       ImportError: where the target's compiler is not installed.
     """
     devices = _targets.target_devices(target)
     mesh = _mesh_of(state)
-    axis_names, shape, types = ("data",), None, None
-    sizes = {"data": len(devices)}
-    if mesh is not None:
-        axis_names, shape, types = mesh.axis_names, mesh.devices.shape, mesh.axis_types
-        sizes = dict(mesh.shape)
-        if mesh.devices.size != len(devices):
+    if mesh is None:
+        layout = jax.sharding.AbstractMesh((len(devices),), ("data",))
+        where = "the target's mesh (the parameters are on none)"
+    else:
+        layout, where = mesh, "the parameters' mesh"
+        if mesh.size != len(devices):
             raise ValueError(
-                f"The parameters are on a mesh of {mesh.devices.size} devices "
-                f"{sizes}, and `target`={target!r} has "
+                f"The parameters are on a mesh of {mesh.size} devices "
+                f"{dict(mesh.shape)}, and `target`={target!r} has "
                 f"{len(devices)}: plan for a target of as many devices."
             )
-    axes, batch_devices = _batch_axes(data_axes, axis_names, sizes)
+        if data_axes is None and len(mesh.axis_names) > 1:
+            raise ValueError(
+                f"The parameters' mesh has the axes {dict(mesh.shape)}: name "
+                "the ones the batch's rows are sharded over with `data_axes=`, "
+                "e.g. data_axes='data' under tensor parallelism, or "
+                f"data_axes={mesh.axis_names!r} for data parallelism over all."
+            )
+    axis_names, shape = layout.axis_names, tuple(layout.axis_sizes)
+    types = None if mesh is None else mesh.axis_types
+    axes, batch_devices = _batch_axes(data_axes, layout, where)
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
         specs = [jax.tree.map(_spec, a) for a in args[:-1]]
@@ -214,20 +227,19 @@ def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
     )
 
 
-def _batch_axes(
-    data_axes: Any, axis_names: tuple[str, ...], sizes: dict[str, int]
-) -> tuple[tuple[str, ...], int]:
-    """``data_axes`` checked against the mesh (default: all its axes), and the
-    devices they split the batch's rows over."""
-    axes = _checks.axis_names(data_axes, "data_axes") or tuple(axis_names)
-    missing = [a for a in axes if a not in axis_names]
+def _batch_axes(data_axes: Any, mesh: Any, where: str) -> tuple[tuple[str, ...], int]:
+    """``data_axes`` checked against ``mesh`` (``where`` names it; default:
+    all its axes), and the devices they split the batch's rows over."""
+    axes = _checks.axis_names(data_axes, "data_axes") or tuple(mesh.axis_names)
+    missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(
-            f"`data_axes`={data_axes!r} names {missing}, not axes of the "
-            f"parameters' mesh {tuple(axis_names)}."
+            f"`data_axes`={data_axes!r} names {missing}, not axes of {where} "
+            f"{tuple(mesh.axis_names)}."
         )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`data_axes` has repeated axes: {data_axes!r}.")
+    sizes = dict(mesh.shape)
     return axes, math.prod(sizes[a] for a in axes)
 
 
@@ -262,13 +274,20 @@ def _refused(error: Exception, memory: int | None) -> int:
     return max(needed, (memory or 0) + 1)
 
 
-def _mesh_of(tree: Any) -> Any:
+def _mesh_of(tree: Any, one_device: bool = False) -> Any:
+    """The mesh (concrete or abstract) of the first leaf of ``tree`` on one of
+    several devices; with ``one_device``, else of one on a one-device mesh.
+    A host leaf's one-device mesh (`_offload.abstract` makes it) is none."""
+    single = None
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
-        # One device's mesh (`_offload.abstract`'s, for a host leaf) is none.
-        if isinstance(sharding, NamedSharding) and sharding.mesh.devices.size > 1:
+        if not isinstance(sharding, NamedSharding):
+            continue
+        if sharding.mesh.size > 1:
             return sharding.mesh
-    return None
+        if single is None and _host_kind(x) is None:
+            single = sharding.mesh
+    return single if one_device else None
 
 
 def _spec(x: Any) -> PartitionSpec:

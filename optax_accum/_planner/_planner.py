@@ -189,10 +189,11 @@ def plan_microbatch(
         sharded over, a name or a tuple of names: the data-parallel axes,
         e.g. ``"data"`` on a ``("data", "model")`` tensor-parallel mesh.
         ``multiple_of`` must be a multiple of their device count. Default:
-        with ``target``, every axis of the mesh (all of the target's
-        devices); without, the batch is lowered as ``step`` places it.
-        Parameters on an Explicit mesh have it set (``jax.set_mesh``) while
-        the step is traced, where the caller has set none.
+        with ``target``, the mesh's one axis (all of the target's devices;
+        on a mesh of several axes, data or tensor parallel, there is no
+        default); without, the batch is lowered as ``step`` places it.
+        Parameters on a mesh have it set (``jax.set_mesh``) while the step
+        is traced, where the caller has set none.
 
     Returns:
       A `MicrobatchPlan`.
@@ -202,9 +203,10 @@ def plan_microbatch(
         candidate size exists, or if even the smallest candidate does not fit;
         for an unknown ``target`` (naming the known ones), a budget over the
         target's memory, or both ``device`` and ``target``; for
-        ``data_axes`` not of the parameters' mesh (or without one), or a
-        ``multiple_of`` that does not split over them; where the step does
-        not type-check with the batch sharded so (an Explicit mesh).
+        ``data_axes`` not of the parameters' mesh (or without one), none
+        with ``target`` on a mesh of several axes, or a ``multiple_of``
+        that does not split over them; where the step does not type-check
+        with the batch sharded so (an Explicit mesh).
       ImportError: where ``target``'s compiler (the ``compilers`` extra) is
         not installed.
       TypeError: for non-integer sizes.

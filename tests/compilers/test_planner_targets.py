@@ -236,7 +236,7 @@ def test_tensor_parallel_shards_the_batch_over_its_data_axes_only():
     """A ("data", "model") Explicit mesh, Megatron's column-then-row split
     over "model": with ``data_axes="data"`` the batch is split over 2 devices
     (``multiple_of`` 2 is enough) and the step type-checks; sharding it over
-    every axis does not, and the error says to name the data axes."""
+    both axes does not, and the error says to name the data axes alone."""
     require("h100x8")
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices("cpu")[:8])
     spec = {"w1": P(None, "model"), "w2": P("model", None)}
@@ -278,7 +278,7 @@ def test_tensor_parallel_shards_the_batch_over_its_data_axes_only():
     ):
         optax_accum.plan_fused_step(
             make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
-            multiple_of=8, target="h100x8",
+            multiple_of=8, target="h100x8", data_axes=("data", "model"),
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"\('data',\) \(2 devices\).*got 1"):
         optax_accum.plan_fused_step(
@@ -305,3 +305,89 @@ def test_a_size_xla_tpu_refuses_to_compile_does_not_fit():
     batch = jax.ShapeDtypeStruct((plan.next_microbatch_size, 256), jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         _targets.compile_for(jax.value_and_grad(loss), w, batch, target="v5e")
+
+
+def test_a_restore_target_on_an_abstract_mesh_plans_for_the_target():
+    """HSDP parameters and Adam's state from ``jax.eval_shape`` under
+    ``jax.set_mesh`` (an Orbax restore target, on an abstract mesh): planned
+    for 8 H100s as the arrays are, at `compile_for`'s bytes."""
+    require("h100x8")
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), devices=jax.devices("cpu")[:8])
+    spec = {"w1": P("fsdp", None), "w2": P("fsdp", None)}
+    make_step = _explicit_fsdp_step(TX)
+
+    def init():
+        return {n: jnp.zeros(PARAMS[n].shape, out_sharding=spec[n]) for n in spec}
+
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(init)
+        abstract_state = jax.eval_shape(TX.init, abstract)
+        params = jax.jit(init)()
+        opt_state = jax.jit(TX.init)(params)
+    kwargs = {"memory_budget": 10**9, "multiple_of": 8, "max_microbatch_size": 64}
+    plans = [
+        optax_accum.plan_fused_step(
+            make_step,
+            p,
+            s,
+            EXAMPLE,
+            TARGET,
+            target="h100x8",
+            data_axes=("data", "fsdp"),
+            **kwargs,
+        )
+        for p, s in ((abstract, abstract_state), (params, opt_state))
+    ]
+    compiled = _targets.compile_for(
+        make_step(TARGET // 64), params, opt_state, _batch(TARGET),
+        target="h100x8", axis_names=("data", "fsdp"), mesh_shape=(2, 4),
+        specs=(spec, _specs(opt_state), P(("data", "fsdp"))),
+        axis_types=(AxisType.Explicit,) * 2,
+    )  # fmt: skip
+    assert plans[0] == plans[1]
+    assert plans[0].memory_bytes == compiled.memory().peak
+
+
+@pytest.mark.parametrize("set_mesh", [False, True])
+def test_an_auto_step_with_bare_partition_specs_reads_the_targets_mesh(set_mesh):
+    """An Auto-mesh step that constrains its activations with a bare
+    ``PartitionSpec`` reads the mesh that is set: the target's while it is
+    traced, inside or outside the caller's ``jax.set_mesh`` (whose CPU
+    devices the target's program cannot use)."""
+    require("v5e:2x4")
+    mesh = jax.make_mesh(
+        (8,), ("data",), devices=jax.devices("cpu")[:8], axis_types=(AxisType.Auto,)
+    )
+    params = _on_mesh(PARAMS, {"w1": P(), "w2": P()}, mesh)
+    opt_state = TX.init(params)
+
+    def loss(params, batch):
+        h = jax.lax.with_sharding_constraint(
+            jnp.tanh(batch["x"] @ params["w1"]), P("data")
+        )
+        logits = h @ params["w2"]
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["y"]
+        ).mean()
+
+    def make_step(k):
+        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
+
+        def step(params, opt_state, batch):
+            value, grads = grad_fn(params, batch)
+            updates, opt_state = TX.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        plan = optax_accum.plan_fused_step(
+            make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
+            multiple_of=8, max_microbatch_size=64, target="v5e:2x4",
+        )  # fmt: skip
+    compiled = _targets.compile_for(
+        make_step(TARGET // 64), params, opt_state, _batch(TARGET),
+        target="v5e:2x4", specs=(None, None, P("data")),
+    )  # fmt: skip
+    assert plan.microbatch_size == 64
+    assert plan.memory_bytes == compiled.memory().peak
