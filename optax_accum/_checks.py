@@ -169,7 +169,7 @@ def axis_names(value: Any, name: str) -> tuple[str, ...] | None:
         axes = () if unordered else tuple(axes)
     except TypeError:
         axes = ()
-    if not axes or not all(isinstance(a, str) for a in axes):
+    if not axes or not all(isinstance(a, str) and a for a in axes):
         raise TypeError(
             f"`{name}` must be None, a mesh axis name or a tuple of them, "
             f"got {value!r}."

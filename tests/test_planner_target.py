@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import _targets
+from optax_accum._planner import _compile
 
 
 def _loss(w, x):
@@ -284,3 +285,53 @@ def test_a_restore_targets_abstract_mesh_is_planned_under_the_callers_mesh():
                 for p, s in ((abstract, abstract_state), (params, state))
             ]
             assert plans[0] == plans[1]
+
+
+def test_an_uncommitted_count_beside_a_mesh_is_planned_as_jit_runs_it():
+    """``opt.init(params)`` outside ``jax.jit`` leaves Adam's count on device
+    0, uncommitted: ``jax.jit`` runs the step with it beside the mesh, and
+    the planner lowers it so too (not pinned to device 0)."""
+    mesh, w, step_fn = _fsdp()
+    tx = optax.adam(1e-3)
+    opt_state = tx.init(w)
+    assert not opt_state[0].count.committed
+
+    def step(w, s, x):
+        _, grads = step_fn(w, x)
+        updates, s = tx.update(grads, s, w)
+        return optax.apply_updates(w, updates), s
+
+    plan = optax_accum.plan_microbatch(
+        step, w, opt_state, EXAMPLE, 64, memory_budget=10**9, multiple_of=8,
+        data_axes="data",
+    )  # fmt: skip
+    batch = jax.ShapeDtypeStruct(
+        (64, 8), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step).lower(w, opt_state, batch).compile()
+    assert plan.memory_bytes == optax_accum.compiled_memory_bytes(compiled)
+
+
+def test_an_abstract_mesh_outside_set_mesh_says_to_set_it():
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        w = jax.eval_shape(lambda: jnp.zeros((8, 16), out_sharding=P("data")))
+    with pytest.raises(ValueError, match=r"abstract mesh .* plan under `jax.set_m"):
+        optax_accum.plan_microbatch(STEP, w, None, EXAMPLE, 16, memory_budget=10**9)
+
+
+def test_a_one_axis_one_device_mesh_scales_to_the_targets_devices(fake_compiler):
+    """Code written for a mesh, run on one device, planned for 8 chips: the
+    mesh's one axis spans them, with its name and type."""
+    mesh = jax.make_mesh((1,), ("batch",), devices=jax.devices()[:1])
+    w = jax.device_put(W, NamedSharding(mesh, P()))
+    compiler = _compile.for_target(_v5e(8), w, "batch")
+    assert (compiler.batch_axes, compiler.batch_devices) == (("batch",), 8)
+    with pytest.raises(ValueError, match=r"`data_axes`='data' names \['data'\], not"):
+        _compile.for_target(_v5e(8), w, "data")
+
+
+def test_an_empty_axis_name_is_refused():
+    with pytest.raises(TypeError, match=r"`data_axes` must be None, a mesh axis"):
+        optax_accum.accumulate(optax.sgd(0.1), 2, data_axes="")

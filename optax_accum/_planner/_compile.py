@@ -129,6 +129,12 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
         # abstract: the caller's concrete one stays.
         unset = jax.sharding.get_abstract_mesh().empty
         concrete = isinstance(mesh, jax.sharding.Mesh)
+        if unset and mesh is not None and not concrete:
+            raise ValueError(
+                "The parameters are on an abstract mesh (`jax.eval_shape` under "
+                f"`jax.set_mesh`: {mesh}): plan under `jax.set_mesh(mesh)` of "
+                "the mesh they will be restored onto."
+            )
         context = _targets.traced_under(mesh) if concrete and unset else None
         with context or contextlib.nullcontext():
             compiled = _typed(
@@ -169,7 +175,7 @@ def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
       ImportError: where the target's compiler is not installed.
     """
     devices = _targets.target_devices(target)
-    mesh = _mesh_of(state)
+    mesh = _scaled(_mesh_of(state, one_device=True), len(devices))
     if mesh is None:
         layout = jax.sharding.AbstractMesh((len(devices),), ("data",))
         where = "the target's mesh (the parameters are on none)"
@@ -181,7 +187,7 @@ def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
                 f"{dict(mesh.shape)}, and `target`={target!r} has "
                 f"{len(devices)}: plan for a target of as many devices."
             )
-        if data_axes is None and len(mesh.axis_names) > 1:
+        if data_axes is None and len(mesh.axis_names) > 1 and mesh.size > 1:
             raise ValueError(
                 f"The parameters' mesh has the axes {dict(mesh.shape)}: name "
                 "the ones the batch's rows are sharded over with `data_axes=`, "
@@ -275,19 +281,30 @@ def _refused(error: Exception, memory: int | None) -> int:
 
 
 def _mesh_of(tree: Any, one_device: bool = False) -> Any:
-    """The mesh (concrete or abstract) of the first leaf of ``tree`` on one of
-    several devices; with ``one_device``, else of one on a one-device mesh.
-    A host leaf's one-device mesh (`_offload.abstract` makes it) is none."""
-    single = None
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            continue
-        if sharding.mesh.size > 1:
-            return sharding.mesh
-        if single is None and _host_kind(x) is None:
-            single = sharding.mesh
-    return single if one_device else None
+    """The mesh of ``tree``'s leaves on several devices, a concrete one before
+    an abstract one; with ``one_device``, else a one-device mesh. A host
+    leaf's one-device mesh (`_offload.abstract` makes it) is none."""
+    meshes = [
+        x.sharding.mesh
+        for x in jax.tree.leaves(tree)
+        if isinstance(getattr(x, "sharding", None), NamedSharding)
+        and (x.sharding.mesh.size > 1 or (one_device and _host_kind(x) is None))
+    ]
+    meshes.sort(key=lambda m: (m.size == 1, not isinstance(m, jax.sharding.Mesh)))
+    return meshes[0] if meshes else None
+
+
+def _scaled(mesh: Any, devices: int) -> Any:
+    """A one-device mesh of one axis, code written for a mesh and run on one
+    device, as that axis over a target's ``devices``; another one-device
+    mesh, where the target has several, is none (all on ``"data"``)."""
+    if mesh is None or mesh.size > 1 or devices == 1:
+        return mesh
+    if len(mesh.axis_names) != 1:
+        return None
+    return jax.sharding.AbstractMesh(
+        (devices,), mesh.axis_names, axis_types=mesh.axis_types
+    )
 
 
 def _spec(x: Any) -> PartitionSpec:

@@ -390,7 +390,7 @@ class _Estimates:
         self.step_at, self.rows_at, self.measure = step_at, rows_at, measure
         # Arrays keep their sharding, so a sharded state is planned per device.
         # So does a state kept in host memory (`offload`).
-        self.abstract = jax.tree.map(_offload.abstract, (params, opt_state))
+        self.abstract = jax.tree.map(_abstract, (params, opt_state))
         self.with_state = opt_state is not None
         # Every argument in host memory: an nnx step takes the whole split
         # state (the optimizer's included) as ``params``.
@@ -417,7 +417,7 @@ class _Estimates:
 def _compiler(
     device: Any, target: Any, state: Any, data_axes: Any
 ) -> _compile.Compiler:
-    abstract = jax.tree.map(_offload.abstract, state)
+    abstract = jax.tree.map(_abstract, state)
     if target is None:
         return _compile.here(device, abstract, data_axes)
     if device is not None:
@@ -426,6 +426,15 @@ def _compiler(
             f"(plan for another), not both: got {device!r} and {target!r}."
         )
     return _compile.for_target(target, abstract, data_axes)
+
+
+def _abstract(x: Any) -> Any:
+    """``x`` as `_offload.abstract` keeps it; an array JAX has not committed
+    to its device (``opt.init(params)``'s scalar count) stays uncommitted, as
+    ``jax.jit`` treats it, not pinned to device 0 beside a mesh."""
+    if isinstance(x, jax.Array) and not x.committed:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return _offload.abstract(x)
 
 
 def _largest_fitting(sizes: list[int], estimate: _Estimates, budget: int) -> int:
