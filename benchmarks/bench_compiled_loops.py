@@ -127,12 +127,7 @@ def compile_on(target, fn, args, **kw):
     mesh = Mesh(devices, names, axis_types=kw.get("axis_types"))
     specs = kw.get("specs") or (None,) * len(args)
     placed = [_targets._place(a, s, mesh) for a, s in zip(args, specs, strict=True)]
-    donate = kw.get("donate_argnums", ())
-    jitted = (
-        fn
-        if hasattr(fn, "trace") and not donate
-        else jax.jit(fn, donate_argnums=donate)
-    )
+    jitted = _targets.jitted_with(fn, kw.get("donate_argnums", ()))
     program = jitted.trace(*placed).lower().compile()
     memory = _targets.Compiled(program, "cpu", "XLA:CPU", mesh).memory()
     return program.as_text(), memory, mesh

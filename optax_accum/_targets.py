@@ -66,12 +66,12 @@ _PLUGINS = {
 }
 
 # A TPU device's HBM by its ``device_kind`` (a topology's devices report no
-# memory statistics): one TensorCore of a v2 or v3 chip, a whole chip from v4.
-# What XLA:TPU gives a program on one device of each generation's topology,
-# in GiB to the two decimals its out-of-memory error gives ("available HBM
-# (15.75G)"; a real v5e's ``bytes_limit`` is the same 15.75 GiB). A v2, v3 or
-# v4 topology's devices are TensorCores, two per chip, each with half of it.
-# tests/compilers/test_targets.py checks each against the installed libtpu.
+# memory statistics): what XLA:TPU gives a program on one device of each
+# generation's topology, in GiB to the two decimals its out-of-memory error
+# gives ("available HBM (15.75G)"; a real v5e's ``bytes_limit`` is the same
+# 15.75 GiB). A v2, v3 or v4 topology's devices are TensorCores, two per
+# chip, each with half of it. tests/compilers/test_targets.py checks each
+# against the installed libtpu.
 _TPU_HBM_GIB = {
     "TPU v2": 7.48,
     "TPU v3": 15.48,
@@ -184,8 +184,7 @@ def compile_for(
     mesh = target_mesh(target, axis_names, mesh_shape, axis_types)
     specs = _per_argument(specs, args, "specs")
     kinds = _per_argument(memory_kinds, args, "memory_kinds")
-    own = hasattr(fn, "trace") and donate_argnums == ()
-    jitted = fn if own else jax.jit(fn, donate_argnums=donate_argnums)
+    jitted = jitted_with(fn, donate_argnums)
     if any("pinned_host" in jax.tree.leaves(k) for k in kinds if k is not None):
         program = _compile_via_cpu(jitted, args, specs, kinds, mesh, target)
         return Compiled(program, target, compiler(target), mesh)
@@ -196,9 +195,18 @@ def compile_for(
         warnings.filterwarnings(
             "ignore", "Error reading persistent compilation cache", UserWarning
         )
-        with traced_under(mesh):
+        with jax.set_mesh(mesh):  # a step that reads the mesh reads this one
             program = jitted.trace(*placed).lower().compile()
     return Compiled(program, target, compiler(target), mesh)
+
+
+def jitted_with(fn: Callable[..., Any], donate_argnums: Any = ()) -> Any:
+    """``fn`` as `compile_for` lowers it: a ``jax.jit`` function keeps its own
+    settings (donation) where ``donate_argnums`` is not given; anything else
+    is jitted with it."""
+    if hasattr(fn, "trace") and donate_argnums == ():
+        return fn
+    return jax.jit(fn, donate_argnums=donate_argnums)
 
 
 def target_mesh(
@@ -269,14 +277,6 @@ def _platform(devices: Sequence[Any]) -> str:
     """The `_PLUGINS` platform of ``devices``: a GPU topology's is ``"gpu"``."""
     platform = devices[0].platform
     return "cuda" if platform in ("gpu", "cuda") else platform
-
-
-def traced_under(mesh: Mesh) -> Any:
-    """``mesh`` set for tracing (``jax.set_mesh``): a step that reads the
-    mesh (an Explicit ``reshard``, a bare ``PartitionSpec`` in a sharding
-    constraint or ``in_shardings``) reads the target's, whatever mesh the
-    caller has set."""
-    return jax.set_mesh(mesh)
 
 
 def _checked(target: str) -> str:
@@ -418,7 +418,7 @@ def _compile_via_cpu(jitted, args, specs, kinds, mesh, target) -> Any:
         _place(a, s, cpu_mesh, k) for a, s, k in zip(args, specs, kinds, strict=True)
     ]
     platform = _platform(list(mesh.devices.flat))
-    with traced_under(cpu_mesh):
+    with jax.set_mesh(cpu_mesh):
         lowered = jitted.trace(*placed).lower(lowering_platforms=(platform,))
     options = jax_compiler.get_compile_options(
         num_replicas=1,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
-import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import _checks, _offload, _targets
+from .. import _checks, _offload, _sharding, _targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +116,17 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
             )
         axes, devices = _batch_axes(data_axes, mesh, "the parameters' mesh")
         sharding = NamedSharding(mesh, PartitionSpec(axes))
+    # A restore target's mesh (`jax.eval_shape` under `jax.set_mesh`) is
+    # abstract: the caller's concrete one stays.
+    unset = jax.sharding.get_abstract_mesh().empty
+    concrete = isinstance(mesh, jax.sharding.Mesh)
+    if unset and mesh is not None and not concrete:
+        raise ValueError(
+            "The parameters are on an abstract mesh (`jax.eval_shape` under "
+            f"`jax.set_mesh`: {mesh}): plan under `jax.set_mesh(mesh)` of "
+            "the mesh they will be restored onto."
+        )
+    set_mesh = concrete and unset
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
         batch = args[-1]
@@ -125,18 +135,7 @@ def here(device: Any = None, state: Any = None, data_axes: Any = None) -> Compil
                 lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding),
                 batch,
             )
-        # A restore target's mesh (`jax.eval_shape` under `jax.set_mesh`) is
-        # abstract: the caller's concrete one stays.
-        unset = jax.sharding.get_abstract_mesh().empty
-        concrete = isinstance(mesh, jax.sharding.Mesh)
-        if unset and mesh is not None and not concrete:
-            raise ValueError(
-                "The parameters are on an abstract mesh (`jax.eval_shape` under "
-                f"`jax.set_mesh`: {mesh}): plan under `jax.set_mesh(mesh)` of "
-                "the mesh they will be restored onto."
-            )
-        context = _targets.traced_under(mesh) if concrete and unset else None
-        with context or contextlib.nullcontext():
+        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
             compiled = _typed(
                 lambda: step.lower(*args[:-1], batch).compile(), axes, mesh
             )
@@ -194,8 +193,7 @@ def for_target(target: Any, state: Any, data_axes: Any = None) -> Compiler:
                 "e.g. data_axes='data' under tensor parallelism, or "
                 f"data_axes={mesh.axis_names!r} for data parallelism over all."
             )
-    axis_names, shape = layout.axis_names, tuple(layout.axis_sizes)
-    types = None if mesh is None else mesh.axis_types
+    axis_names, shape, types = layout.axis_names, layout.axis_sizes, layout.axis_types
     axes, batch_devices = _batch_axes(data_axes, layout, where)
 
     def measure(step: Any, args: tuple[Any, ...]) -> tuple[int, str]:
@@ -245,8 +243,7 @@ def _batch_axes(data_axes: Any, mesh: Any, where: str) -> tuple[tuple[str, ...],
         )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`data_axes` has repeated axes: {data_axes!r}.")
-    sizes = dict(mesh.shape)
-    return axes, math.prod(sizes[a] for a in axes)
+    return axes, _sharding.mesh_size(mesh, axes)
 
 
 def _typed(compile_: Callable[[], Any], axes: Any, mesh: Any) -> Any:

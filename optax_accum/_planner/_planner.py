@@ -234,7 +234,7 @@ def plan_microbatch(
         max_microbatch_size,
         multiple_of,
         divisors_only,
-        _compiler(device, target, (params, opt_state), data_axes),
+        (device, target, data_axes),
     )
 
 
@@ -331,20 +331,26 @@ def plan_fused_step(
         max_microbatch_size,
         multiple_of,
         True,  # microbatch splits the batch into k equal parts
-        _compiler(device, target, (params, opt_state), data_axes),
+        (device, target, data_axes),
     )
 
 
 def _plan(
     step_at, rows_at, args, target_batch_size, memory_budget, max_microbatch_size,
-    multiple_of, divisors_only, compiler,
+    multiple_of, divisors_only, where,
 ) -> MicrobatchPlan:  # fmt: skip
     """The checks and the search both planners share.
 
     ``step_at(m)`` is the lowerable step for micro-batch size ``m``, and
-    ``rows_at(m)`` the rows of the batch it is lowered with; ``compiler`` (a
-    `_compile.Compiler`) compiles and measures it.
+    ``rows_at(m)`` the rows of the batch it is lowered with; ``where``,
+    ``(device, target, data_axes)``, is where a `_compile.Compiler` compiles
+    and measures it.
     """
+    params, opt_state, example = args
+    # Arrays keep their sharding, so a sharded state is planned per device.
+    # So does a state kept in host memory (`offload`).
+    state = jax.tree.map(_abstract, (params, opt_state))
+    compiler = _compiler(state, *where)
     target = _checks.positive_int(target_batch_size, "target_batch_size")
     multiple_of = _checks.positive_int(multiple_of, "multiple_of")
     max_size = target
@@ -363,7 +369,7 @@ def _plan(
                 else f"at most `target_batch_size`={target}."
             )
         )
-    estimate = _Estimates(step_at, rows_at, compiler.measure, *args)
+    estimate = _Estimates(step_at, rows_at, compiler.measure, state, example)
     lo = _largest_fitting(sizes, estimate, budget)
     m = sizes[lo]
     k = math.ceil(target / m)
@@ -386,12 +392,11 @@ def _plan(
 class _Estimates:
     """The compiled step's memory at each micro-batch size, compiled once."""
 
-    def __init__(self, step_at, rows_at, measure, params, opt_state, example):
+    def __init__(self, step_at, rows_at, measure, state, example):
+        """``state``: ``(params, opt_state)``, abstract (`_abstract`)."""
         self.step_at, self.rows_at, self.measure = step_at, rows_at, measure
-        # Arrays keep their sharding, so a sharded state is planned per device.
-        # So does a state kept in host memory (`offload`).
-        self.abstract = jax.tree.map(_abstract, (params, opt_state))
-        self.with_state = opt_state is not None
+        self.abstract = state
+        self.with_state = state[1] is not None
         # Every argument in host memory: an nnx step takes the whole split
         # state (the optimizer's included) as ``params``.
         self.host_state = _offload.offloaded_bytes(self.abstract)
@@ -415,17 +420,16 @@ class _Estimates:
 
 
 def _compiler(
-    device: Any, target: Any, state: Any, data_axes: Any
+    state: Any, device: Any, target: Any, data_axes: Any
 ) -> _compile.Compiler:
-    abstract = jax.tree.map(_abstract, state)
     if target is None:
-        return _compile.here(device, abstract, data_axes)
+        return _compile.here(device, state, data_axes)
     if device is not None:
         raise ValueError(
             "Pass `device` (plan for one of this machine's devices) or `target` "
             f"(plan for another), not both: got {device!r} and {target!r}."
         )
-    return _compile.for_target(target, abstract, data_axes)
+    return _compile.for_target(target, state, data_axes)
 
 
 def _abstract(x: Any) -> Any:

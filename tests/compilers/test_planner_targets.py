@@ -33,15 +33,24 @@ def _loss(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def _make_step(k):
-    grad_fn = optax_accum.microbatch(jax.value_and_grad(_loss), k)
+def _fused_step(loss, tx):
+    """``k -> step``: `microbatch` over ``loss``'s value and gradient, then
+    ``tx``'s update."""
 
-    def step(params, opt_state, batch):
-        value, grads = grad_fn(params, batch)
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+    def make_step(k):
+        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
 
-    return step
+        def step(params, opt_state, batch):
+            value, grads = grad_fn(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    return make_step
+
+
+_make_step = _fused_step(_loss, TX)
 
 
 def _batch(rows):
@@ -184,17 +193,7 @@ def _explicit_fsdp_step(tx):
             logits, batch["y"]
         ).mean()
 
-    def make_step(k):
-        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
-
-        def step(params, opt_state, batch):
-            value, grads = grad_fn(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
-
-    return make_step
+    return _fused_step(loss, tx)
 
 
 @pytest.mark.parametrize("set_mesh", [False, True])
@@ -251,15 +250,7 @@ def test_tensor_parallel_shards_the_batch_over_its_data_axes_only():
             logits, batch["y"]
         ).mean()
 
-    def make_step(k):
-        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
-
-        def step(params, opt_state, batch):
-            value, grads = grad_fn(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
+    make_step = _fused_step(loss, tx)
 
     plan = optax_accum.plan_fused_step(
         make_step, params, opt_state, EXAMPLE, TARGET, memory_budget=10**9,
@@ -370,15 +361,7 @@ def test_an_auto_step_with_bare_partition_specs_reads_the_targets_mesh(set_mesh)
             logits, batch["y"]
         ).mean()
 
-    def make_step(k):
-        grad_fn = optax_accum.microbatch(jax.value_and_grad(loss), k)
-
-        def step(params, opt_state, batch):
-            value, grads = grad_fn(params, batch)
-            updates, opt_state = TX.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return step
+    make_step = _fused_step(loss, TX)
 
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         plan = optax_accum.plan_fused_step(
